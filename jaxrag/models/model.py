@@ -1,0 +1,213 @@
+"""The public model: a decoder + its tokenizer + the HF config it round-trips to.
+
+`load_model(path)` reads either a Hugging Face directory (config.json + safetensors), a hub
+name when the network allows, or a jaxrag checkpoint (orbax params + the same json/tokenizer
+files). `save_model` / `export_hf` write the two formats atomically (temp dir, then rename).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import transformers
+from flax import nnx
+
+from jaxrag.errors import JaxragError
+from jaxrag.models import hf
+from jaxrag.models.decoder import Decoder, DecoderConfig, positions_from_mask, resolve_dtype
+from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, srrag_tokens
+
+JAXRAG_META = "jaxrag.json"  # marks a jaxrag checkpoint: sources, token ids, dtypes
+PARAMS_DIR = "params"
+
+
+@dataclasses.dataclass
+class Model:
+    decoder: Decoder
+    tokenizer: transformers.PreTrainedTokenizerBase
+    hf_config: transformers.PretrainedConfig
+    sources: tuple[str, ...] = ()  # knowledge sources whose tokens were added ((): none yet)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.decoder.cfg
+
+    def logits(self, ids, attention_mask=None) -> jax.Array:
+        """ids int [batch, seq] -> float32 [batch, seq, vocab] (vocab padding sliced off)."""
+        logits, _ = _forward(self.decoder, jnp.asarray(ids), _mask(ids, attention_mask), None)
+        return logits[..., : self.config.vocab_size]
+
+    def hidden_states(self, ids, layer: int, attention_mask=None) -> jax.Array:
+        """Output of decoder layer `layer` (1-based; transformers' `hidden_states[layer]`)."""
+        if not 0 <= layer <= self.config.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.config.num_layers}")
+        _, hidden = _forward(self.decoder, jnp.asarray(ids), _mask(ids, attention_mask), layer)
+        return hidden
+
+    def token_id(self, token: str) -> int:
+        ids = self.tokenizer.convert_tokens_to_ids([token])
+        if ids[0] is None or ids[0] == self.tokenizer.unk_token_id:
+            raise JaxragError(f"token {token!r} is not in the tokenizer")
+        return ids[0]
+
+
+def _mask(ids, attention_mask) -> jax.Array:
+    return jnp.ones(np.shape(ids), bool) if attention_mask is None else jnp.asarray(attention_mask, bool)
+
+
+@nnx.jit(static_argnums=(3,))
+def _forward(decoder: Decoder, ids, mask, layer):
+    out = decoder(ids, positions_from_mask(mask), mask, hidden_layer=layer)
+    return out.logits, out.hidden
+
+
+def _build(cfg: DecoderConfig, params: dict) -> Decoder:
+    """A Decoder holding `params` (nested numpy/jax arrays), without a random init pass."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def pad_vocab(params: dict, cfg: DecoderConfig) -> dict:
+    """Zero rows up to the padded vocab; their logits are masked, so real logits are unchanged."""
+    pad = cfg.padded_vocab_size - params["embed"].shape[0]
+    params["embed"] = np.pad(params["embed"], ((0, pad), (0, 0)))
+    if "lm_head" in params:
+        params["lm_head"] = np.pad(params["lm_head"], ((0, 0), (0, pad)))
+    return params
+
+
+def _load_tokenizer(model_dir: Path):
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, TypeError) as e:
+        raise JaxragError(f"{model_dir}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from None
+
+
+def _resolve(path: str | os.PathLike) -> Path:
+    """A local directory, or a hub name downloaded when the network allows."""
+    local = Path(path)
+    hub_like = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
+    if local.exists() or not hub_like:
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
+    except Exception as e:  # network, auth, missing repo: all mean "not available here"
+        raise JaxragError(f"{path}: not a local directory and could not be fetched from the hub ({e})") from None
+
+
+def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32") -> Model:
+    """HF directory / hub name / jaxrag checkpoint -> Model. `dtype` = compute dtype ('auto' ok)."""
+    model_dir = _resolve(path)
+    hf_config = hf.read_hf_config(model_dir)
+    cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=param_dtype)
+    meta_path = model_dir / JAXRAG_META
+    tokenizer = _load_tokenizer(model_dir)
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        params = _restore_params(model_dir / PARAMS_DIR, cfg)
+        return Model(_build(cfg, params), tokenizer, hf_config, tuple(meta["sources"]))
+    params = hf.hf_to_params(hf.read_hf_tensors(model_dir, cfg), cfg, resolve_dtype(param_dtype))
+    return Model(_build(cfg, pad_vocab(params, cfg)), tokenizer, hf_config)
+
+
+def add_special_tokens(model: Model, sources: Sequence[str] = DEFAULT_SOURCES) -> Model:
+    """Adds `<EOQ>`, the source tokens and `<EOK>` to tokenizer and embeddings.
+
+    New rows (embedding and lm_head) = the mean of the existing real-token rows, so the new
+    tokens start as an "average" token instead of noise. Ids that already fit inside the
+    config's vocab (Qwen's unused padding rows) are reused; otherwise the vocab grows.
+    """
+    if model.sources:
+        raise JaxragError(f"model already has SR-RAG tokens for sources {list(model.sources)}")
+    tok = model.tokenizer
+    known = len(tok)
+    ids = add_srrag_tokens(tok, sources)
+    cfg = model.config
+    new_vocab = max(cfg.vocab_size, max(ids) + 1)
+    new_cfg = dataclasses.replace(cfg, vocab_size=new_vocab)
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.decoder)))
+    params["embed"] = params["embed"][: cfg.vocab_size]
+    if "lm_head" in params:
+        params["lm_head"] = params["lm_head"][:, : cfg.vocab_size]
+    params = pad_vocab(params, new_cfg)
+    real = min(known, cfg.vocab_size)
+    params["embed"][ids] = params["embed"][:real].mean(axis=0)
+    if "lm_head" in params:
+        params["lm_head"][:, ids] = params["lm_head"][:, :real].mean(axis=1, keepdims=True)
+    hf_config = transformers.AutoConfig.for_model(**{**model.hf_config.to_dict(), "vocab_size": new_vocab})
+    return Model(_build(new_cfg, params), tok, hf_config, tuple(sources))
+
+
+@contextmanager
+def atomic_dir(out: Path):
+    """Yields a temp dir beside `out`; renames it to `out` only if the block succeeds."""
+    out = Path(out)
+    if out.exists():
+        raise JaxragError(f"{out}: already exists (refusing to overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_hf_side_files(model: Model, out: Path) -> None:
+    model.hf_config.save_pretrained(out)
+    model.tokenizer.save_pretrained(out)
+    gen = transformers.GenerationConfig.from_model_config(model.hf_config)
+    if model.tokenizer.eos_token_id is not None:
+        gen.eos_token_id = model.tokenizer.eos_token_id
+    if model.tokenizer.pad_token_id is not None:
+        gen.pad_token_id = model.tokenizer.pad_token_id
+    gen.save_pretrained(out)
+
+
+def save_model(model: Model, out) -> Path:
+    """jaxrag checkpoint: HF config/tokenizer files + orbax params + jaxrag.json."""
+    with atomic_dir(out) as tmp:
+        _write_hf_side_files(model, tmp)
+        state = nnx.to_pure_dict(nnx.state(model.decoder))
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / PARAMS_DIR, state)
+        meta = {"format": "jaxrag", "sources": list(model.sources),
+                "special_tokens": {t: model.token_id(t) for t in srrag_tokens(model.sources)} if model.sources else {}}
+        (tmp / JAXRAG_META).write_text(json.dumps(meta, indent=2))
+    return Path(out)
+
+
+def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore(params_dir.absolute(), target)
+    except (FileNotFoundError, ValueError) as e:
+        raise JaxragError(f"{params_dir}: cannot restore params ({e})") from None
+
+
+def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> Path:
+    """A Hugging Face directory `AutoModelForCausalLM.from_pretrained` loads with no missing keys."""
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.decoder)))
+    tensors = hf.params_to_hf(params, model.config)
+    if dtype is not None:
+        tensors = {k: v.astype(jnp.dtype(dtype)) for k, v in tensors.items()}
+    with atomic_dir(out) as tmp:
+        _write_hf_side_files(model, tmp)
+        hf.write_hf_tensors(tensors, tmp, max_shard_bytes)
+    return Path(out)

@@ -1,0 +1,39 @@
+"""SR-RAG special tokens: `<EOQ>`, one token per knowledge source, `<EOK>` (paper §3.1)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import AddedToken
+
+EOQ = "<EOQ>"
+EOK = "<EOK>"
+DEFAULT_SOURCES = ("wiki", "self")
+
+
+def source_token(source: str) -> str:
+    """`wiki` -> `<Wiki>`, `self` -> `<Self>`."""
+    if not source or not source.isidentifier():
+        raise ValueError(f"source name {source!r} must be a non-empty identifier")
+    return f"<{source.capitalize()}>"
+
+
+def srrag_tokens(sources: Sequence[str] = DEFAULT_SOURCES) -> list[str]:
+    """All SR-RAG tokens in a fixed order: `<EOQ>`, the source tokens, `<EOK>`."""
+    if len(set(sources)) != len(sources) or not sources:
+        raise ValueError(f"sources must be a non-empty list of distinct names, got {list(sources)}")
+    return [EOQ, *(source_token(s) for s in sources), EOK]
+
+
+def add_srrag_tokens(tokenizer, sources: Sequence[str] = DEFAULT_SOURCES) -> list[int]:
+    """Adds the SR-RAG tokens to a transformers tokenizer as atomic special tokens.
+
+    Idempotent: tokens already present keep their ids. Returns the ids in `srrag_tokens` order.
+    Special tokens are never split by the pre-tokenizer, so each encodes to exactly one id.
+    """
+    tokens = srrag_tokens(sources)
+    tokenizer.add_tokens(
+        [AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False) for t in tokens],
+        special_tokens=True,
+    )
+    return [tokenizer.convert_tokens_to_ids(t) for t in tokens]
