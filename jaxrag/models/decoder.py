@@ -73,7 +73,7 @@ class RMSNorm(nnx.Module):
         # Normalise in float32 and cast back before the scale, as the reference does.
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale.value.astype(x.dtype) * x32.astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
 class KVLayerCache(NamedTuple):
@@ -99,9 +99,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
 
     def _project(self, x, w, bias_name):
-        y = jnp.einsum("bte,enh->btnh", x, w.value.astype(x.dtype))
+        y = jnp.einsum("bte,enh->btnh", x, w[...].astype(x.dtype))
         if hasattr(self, bias_name):
-            y = y + getattr(self, bias_name).value.astype(x.dtype)
+            y = y + getattr(self, bias_name)[...].astype(x.dtype)
         return y
 
     def __call__(self, x, cos, sin, mask, cache: KVLayerCache | None, cache_index):
@@ -117,9 +117,9 @@ class Attention(nnx.Module):
             )
             k, v = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
         out = jax.nn.dot_product_attention(q, k, v, mask=mask)  # grouped-query aware
-        y = jnp.einsum("btnh,nhe->bte", out, self.wo.value.astype(x.dtype))
+        y = jnp.einsum("btnh,nhe->bte", out, self.wo[...].astype(x.dtype))
         if self.cfg.o_bias:
-            y = y + self.bo.value.astype(x.dtype)
+            y = y + self.bo[...].astype(x.dtype)
         return y, cache
 
 
@@ -133,9 +133,9 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), pd)
 
     def __call__(self, x):
-        gate = x @ self.w_gate.value.astype(x.dtype)
-        up = x @ self.w_up.value.astype(x.dtype)
-        return (jax.nn.silu(gate) * up) @ self.w_down.value.astype(x.dtype)
+        gate = x @ self.w_gate[...].astype(x.dtype)
+        up = x @ self.w_up[...].astype(x.dtype)
+        return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(x.dtype)
 
 
 class Block(nnx.Module):
@@ -203,7 +203,7 @@ class Decoder(nnx.Module):
         """`hidden_layer` l returns transformers' `hidden_states[l]`: 0 = embeddings, l = output
         of decoder layer l (1-based), num_layers = after the final norm."""
         cfg, dtype = self.cfg, resolve_dtype(self.cfg.dtype)
-        x = jnp.take(self.embed.value, input_ids, axis=0).astype(dtype)
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
         cos, sin = rope_cos_sin(cfg.rope, positions, dtype)
         mask = attention_mask_4d(key_mask, input_ids.shape[1], cache_index, cfg.sliding_window)
         hidden = x if hidden_layer == 0 else None
@@ -217,7 +217,7 @@ class Decoder(nnx.Module):
         x = self.final_norm(x)
         if hidden_layer == cfg.num_layers:
             hidden = x
-        head = self.embed.value.T if cfg.tie_word_embeddings else self.lm_head.value
+        head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.einsum("bte,ev->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
         real = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         return DecoderOutput(jnp.where(real, logits, _MASKED_LOGIT), hidden, new_cache)

