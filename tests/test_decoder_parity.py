@@ -4,17 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-import jaxrag
-from hf_fixtures import VARIANTS, make_hf_model
+from hf_fixtures import VARIANTS
 
 SEQ = 24  # longer than the LongRoPE variant's original context (16)
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def pair(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    ref = make_hf_model(out, request.param)
-    return ref, jaxrag.load_model(out)
+@pytest.fixture(params=sorted(VARIANTS))
+def pair(request, tiny_hf):
+    ref, _, model = tiny_hf(request.param)
+    return ref, model
 
 
 def _batch(vocab, padding):

@@ -89,7 +89,12 @@ def pad_vocab(params: dict, cfg: DecoderConfig) -> dict:
     return params
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        raise JaxragError(f"{model_dir}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
     try:
         return transformers.AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as e:

@@ -1,0 +1,85 @@
+"""The pipeline's config, as code (ml_collections). `configs/*.py` pick a model and size.
+
+Defaults are the paper's (SR-RAG §4.1, App. B): stage 1 batch 64 / lr 1e-5 / 1 epoch, stage 2
+lr 5e-7 / DPO beta 0.3 / 1 epoch, n = 5 contexts per source, verbalizations <= 150 tokens,
+k = 30 datastore neighbours. Override any field on the command line: `--config.stage1.lr=3e-5`.
+"""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+from jaxrag.models.tokens import DEFAULT_SOURCES
+
+PAPER_MODELS = {
+    # family: (hub name, datastore layer (1-based, of 28/32), tau)
+    "qwen2": ("Qwen/Qwen2.5-7B-Instruct", 11, 0.2),
+    "llama": ("meta-llama/Llama-2-7b-chat-hf", 15, 0.1),
+    "phi3": ("microsoft/Phi-3.5-mini-instruct", 15, 0.2),
+}
+TRAIN_DATASETS = ["wow", "nq", "fever", "obqa", "arc_easy", "asqa"]
+EVAL_DATASETS = ["popqa", "triviaqa", "pubhealth", "arc_challenge"]
+
+
+def paper_config(family: str) -> ConfigDict:
+    """The paper's 7B-scale setup for one model family, on real weights and data."""
+    path, layer, tau = PAPER_MODELS[family]
+    cfg = ConfigDict()
+    cfg.seed = 0
+    cfg.model = ConfigDict(dict(
+        family=family,
+        path=path,  # HF directory, hub name or jaxrag checkpoint
+        sources=list(DEFAULT_SOURCES),
+        dtype="auto",  # compute: bfloat16 on accelerators, float32 on CPU
+        param_dtype="float32",  # master weights
+        max_length=1024,  # training sequence length (tokens)
+        datastore_layer=layer,
+        arch=ConfigDict(),  # only for models trained from scratch (the tiny config)
+    ))
+    cfg.retrieval = ConfigDict(dict(
+        encoder="facebook/dpr-question_encoder-single-nq-base",
+        corpus="",  # DPR psgs_w100.tsv or JSONL {"id", "contents"}
+        passage_embeddings="",  # DPR's released wikipedia_passages_*.pkl (optional)
+        n_passages=5,
+    ))
+    cfg.data = ConfigDict(dict(dir="", train=list(TRAIN_DATASETS), eval=list(EVAL_DATASETS)))
+    cfg.construct = ConfigDict(dict(
+        n_contexts=5,  # per source
+        verbalize_max_tokens=150,
+        kmeans_clusters=5,
+        demos_per_cluster=5,
+        label_rule="sum",  # Algorithm 1 line 11; "majority" = the text's majority of the top-n
+    ))
+    cfg.stage1 = ConfigDict(dict(batch_size=64, lr=1e-5, epochs=1, warmup_ratio=0.03,
+                                 weight_decay=0.0, grad_clip=1.0, extra_passages_lambda=2.0))
+    cfg.stage2 = ConfigDict(dict(batch_size=64, lr=5e-7, epochs=1, warmup_ratio=0.03,
+                                 weight_decay=0.0, grad_clip=1.0, dpo_beta=0.3))
+    cfg.inference = ConfigDict(dict(k=30, tau=tau, batch_size=10, max_answer_tokens=64))
+    cfg.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the remaining devices
+    return cfg
+
+
+def tiny_config(family: str) -> ConfigDict:
+    """The embedded default: a CPU-size model of `family` trained from scratch on the
+    generated knowledge world, with the paper's recipe scaled down to minutes."""
+    cfg = paper_config(family)
+    cfg.model.path = ""  # trained from scratch in the `base` stage
+    cfg.model.dtype = "float32"
+    cfg.model.max_length = 256
+    cfg.model.arch = ConfigDict(dict(hidden_size=256, intermediate_size=768, num_layers=4,
+                                     num_heads=4, num_kv_heads=2, max_position_embeddings=512))
+    cfg.model.datastore_layer = 2
+    cfg.retrieval.encoder = "minilm"  # all-MiniLM-L6-v2 from the offline package
+    cfg.construct.verbalize_max_tokens = 48
+    cfg.stage1.update(batch_size=16, lr=1e-3)
+    cfg.stage2.update(batch_size=16, lr=1e-4)
+    cfg.inference.update(k=10, batch_size=16, max_answer_tokens=16)
+    return cfg
+
+
+def get_config_for(family: str, arg: str | None) -> ConfigDict:
+    """`configs/<family>.py:<arg>`: '' -> the paper's setup, 'tiny' -> the embedded default."""
+    sizes = {"": paper_config, "tiny": tiny_config}
+    if (arg or "") not in sizes:
+        raise ValueError(f"unknown config size {arg!r}; choose one of: tiny, or nothing for the paper's model")
+    return sizes[arg or ""](family)

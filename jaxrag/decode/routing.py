@@ -1,0 +1,161 @@
+"""SR-RAG routed inference (paper §3.4, Eq. 7) for a batch, in one left-to-right pass:
+
+    prefill `Question: q Background knowledge: <EOQ>`  -> p_M(<s>|q) and the hidden state at <EOQ>
+    policy(p_M, hidden)                                -> one source per row (kNN p_D for SR-RAG)
+    append <s>; Self rows verbalize up to <EOK>        (Wiki rows sit idle: budget 0)
+    retrieve for Wiki rows in one batched call; append passages<EOK> (Self rows: <EOK> only if
+    their verbalization ran out of budget) and " Answer:"; every row generates its answer.
+
+The prefix's KV cache is extended, never recomputed. Latency follows the paper's App. B.2:
+T_d (source selection), T_v (verbalization) or T_r (retrieval), T_g (answer), per item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrag.decode.sampler import SamplingParams, bucket, decode, extend, init_state, left_pad, stop_matrix
+from jaxrag.errors import JaxragError
+from jaxrag.models.model import Model
+from jaxrag.models.tokens import EOK, source_token
+from jaxrag.policies import Policy, PolicyInputs
+from jaxrag.prompts import ANSWER_PREFIX, join_passages, question_prefix
+
+Retrieve = Callable[[list[str]], list[list[str]]]  # questions -> passages per question
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteConfig:
+    hidden_layer: int  # datastore layer (1-based), read at <EOQ>
+    max_verbal_tokens: int = 150
+    max_knowledge_tokens: int = 768  # retrieved passages beyond this are truncated (counted)
+    max_answer_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass
+class Routed:
+    question: str
+    source: str
+    p_model: list[float]  # over the model's sources, in order
+    p_datastore: list[float] | None
+    score: float | None
+    knowledge: str
+    answer: str
+    knowledge_truncated: bool  # passages cut to max_knowledge_tokens, or verbalization hit its budget
+    latency: dict[str, float]  # T_d, T_v | T_r, T_g in seconds (batch phase time / rows sharing it)
+
+
+def _encode(tokenizer, text: str, first: bool = False) -> list[int]:
+    # The prefix gets the tokenizer's BOS unless a chat template already wrote it.
+    add = first and not getattr(tokenizer, "chat_template", None)
+    return tokenizer(text, add_special_tokens=add)["input_ids"]
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - start
+
+
+def _knowledge_chunk(tok, source: str, passages: list[str] | None, verbal_stopped: bool,
+                     eok: int, answer: list[int], budget: int) -> tuple[list[int], bool]:
+    """Tokens appended after the verbalization phase; (tokens, knowledge was truncated)."""
+    if source != "wiki":
+        return ([] if verbal_stopped else [eok]) + answer, not verbal_stopped
+    text = _encode(tok, join_passages(passages))
+    return text[:budget] + [eok] + answer, len(text) > budget
+
+
+def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retrieve,
+          cfg: RouteConfig, rng: jax.Array | None = None) -> list[Routed]:
+    """Routes, verbalizes or retrieves, and answers a batch of questions in one pass."""
+    if not questions:
+        raise JaxragError("route: empty batch of questions")
+    if not model.sources:
+        raise JaxragError("route: the model has no SR-RAG tokens (convert it with --sources first)")
+    tok, dec, sources = model.tokenizer, model.decoder, tuple(model.sources)
+    n = len(questions)
+    src_ids = [model.token_id(source_token(s)) for s in sources]
+    eok, answer = model.token_id(EOK), _encode(tok, ANSWER_PREFIX)
+    eos = [i for i in np.atleast_1d(tok.eos_token_id if tok.eos_token_id is not None else []).tolist()]
+    prompts = [_encode(tok, question_prefix(tok, q), first=True) for q in questions]
+    batch, plen = bucket(n, 1), bucket(max(map(len, prompts)))
+    vlen = bucket(cfg.max_verbal_tokens)
+    klen = bucket(cfg.max_knowledge_tokens + 2 + len(answer))
+    alen = bucket(cfg.max_answer_tokens)
+    rng = jax.random.key(0) if rng is None else rng
+
+    # T_d: prefill the question, read p_M over source tokens and the hidden state at <EOQ>.
+    def select():
+        state = init_state(dec, batch, plen + 1 + vlen + klen + alen)
+        ids, mask = left_pad(prompts, plen, batch)
+        return extend(dec, state, jnp.asarray(ids), jnp.asarray(mask), hidden_layer=cfg.hidden_layer)
+
+    (state, hidden), t_d = _timed(select)
+    p_src = np.asarray(jax.nn.softmax(state.logits[:n][:, np.asarray(src_ids)], axis=-1), np.float64)
+    start = time.perf_counter()
+    decision = policy(PolicyInputs(list(questions), sources, p_src, np.asarray(hidden[:n])))
+    t_d += time.perf_counter() - start
+    chosen = [sources[i] for i in np.asarray(decision.source)]
+
+    # T_v: append each row's source token; Self rows verbalize up to <EOK>.
+    def verbalize():
+        ids, mask = left_pad([[src_ids[sources.index(s)]] for s in chosen], 1, batch)
+        st, _ = extend(dec, state, jnp.asarray(ids), jnp.asarray(mask))
+        budget = np.zeros(batch, np.int32)
+        budget[:n] = [cfg.max_verbal_tokens if s != "wiki" else 0 for s in chosen]
+        return decode(dec, st, jnp.asarray(stop_matrix([[eok]], batch)), jnp.asarray(budget),
+                      jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
+
+    (state, verbal, verbal_len, verbal_stopped), t_v = _timed(verbalize)
+    verbal, verbal_len, verbal_stopped = map(np.asarray, (verbal, verbal_len, verbal_stopped))
+
+    # T_r: one batched retrieval call for the Wiki rows.
+    wiki_rows = [i for i, s in enumerate(chosen) if s == "wiki"]
+    start = time.perf_counter()
+    found = retrieve([questions[i] for i in wiki_rows]) if wiki_rows else []
+    t_r = time.perf_counter() - start
+    if len(found) != len(wiki_rows) or any(not p for p in found):
+        raise JaxragError(f"route: retrieval returned {len(found)} passage lists for {len(wiki_rows)} "
+                          "questions (or an empty list); every Wiki row needs passages")
+    passages = dict(zip(wiki_rows, found))
+
+    # T_g: knowledge tail + " Answer:" for every row, then the answer.
+    chunks = [_knowledge_chunk(tok, chosen[i], passages.get(i), bool(verbal_stopped[i]), eok, answer,
+                               cfg.max_knowledge_tokens) for i in range(n)]
+
+    def answer_phase():
+        ids, mask = left_pad([c for c, _ in chunks], klen, batch)
+        st, _ = extend(dec, state, jnp.asarray(ids), jnp.asarray(mask))
+        budget = np.zeros(batch, np.int32)
+        budget[:n] = cfg.max_answer_tokens
+        return decode(dec, st, jnp.asarray(stop_matrix([eos], batch)), jnp.asarray(budget),
+                      jax.random.fold_in(rng, 1), max_new=alen, sampling=cfg.sampling)
+
+    (_, answers, answer_len, _), t_g = _timed(answer_phase)
+    answers, answer_len = np.asarray(answers), np.asarray(answer_len)
+
+    out = []
+    n_self = max(1, n - len(wiki_rows))
+    for i, q in enumerate(questions):
+        if chosen[i] == "wiki":
+            knowledge, phase = join_passages(passages[i]), {"T_r": t_r / len(wiki_rows)}
+        else:
+            knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok])
+            phase = {"T_v": t_v / n_self}
+        text = tok.decode([t for t in answers[i, : answer_len[i]] if t not in eos], skip_special_tokens=True)
+        out.append(Routed(
+            question=q, source=chosen[i], p_model=p_src[i].tolist(),
+            p_datastore=None if decision.p_datastore is None else np.asarray(decision.p_datastore[i]).tolist(),
+            score=None if decision.score is None else float(decision.score[i]),
+            knowledge=knowledge, answer=text.strip(), knowledge_truncated=chunks[i][1],
+            latency={"T_d": t_d / n, **phase, "T_g": t_g / n},
+        ))
+    return out

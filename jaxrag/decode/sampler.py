@@ -1,0 +1,182 @@
+"""KV-cache generation: chunked prefill (`extend`) and an on-device decode loop (`decode`).
+
+The cache has a static shape [batch, slots]; every row writes the same slot at each step, and a
+key mask records which slots hold a row's real tokens. So rows may skip steps (a finished row, a
+row with nothing to add in a chunk) and the holes simply stay masked; position ids count each
+row's real tokens, so left padding and holes never shift a row's positions. This is what lets
+SR-RAG route rows of one batch to different sources and keep every prefix's cache.
+
+Shapes are bucketed (powers of two) so a run compiles a bounded number of programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrag.models.decoder import Decoder, KVLayerCache, init_cache
+
+NO_TOKEN = -1  # marks "no token generated at this step" in output buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+class DecodeState(NamedTuple):
+    cache: list[KVLayerCache]
+    key_mask: jax.Array  # [batch, slots] bool: slots holding this row's real tokens
+    next_pos: jax.Array  # [batch] int32: position id of each row's next token
+    slot: jax.Array  # [] int32: next free cache slot, shared by all rows
+    logits: jax.Array  # [batch, vocab] float32: next-token logits after the last real token
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """Smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
+    cfg = decoder.cfg
+    return DecodeState(
+        cache=init_cache(cfg, batch, slots),
+        key_mask=jnp.zeros((batch, slots), bool),
+        next_pos=jnp.zeros((batch,), jnp.int32),
+        slot=jnp.zeros((), jnp.int32),
+        logits=jnp.zeros((batch, cfg.padded_vocab_size), jnp.float32),
+    )
+
+
+def _extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer=None):
+    mask = mask.astype(bool)
+    positions = state.next_pos[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    key_mask = jax.lax.dynamic_update_slice(state.key_mask, mask, (0, state.slot))
+    out = decoder(ids, positions, key_mask, cache=state.cache, cache_index=state.slot,
+                  hidden_layer=hidden_layer)
+    # Chunks are left-padded, so the last column is each row's newest real token.
+    has_tokens = mask.any(axis=1)
+    logits = jnp.where(has_tokens[:, None], out.logits[:, -1], state.logits)
+    new = DecodeState(out.cache, key_mask, state.next_pos + mask.sum(axis=1, dtype=jnp.int32),
+                      state.slot + ids.shape[1], logits)
+    return new, None if out.hidden is None else out.hidden[:, -1]
+
+
+@partial(nnx.jit, static_argnames=("hidden_layer",))
+def extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer: int | None = None):
+    """Appends a left-padded chunk ids/mask [batch, t] to every row's cache (one forward pass).
+
+    Returns the new state and, if `hidden_layer` is set, that layer's state at the last column
+    [batch, hidden] (SR-RAG reads it at `<EOQ>`)."""
+    return _extend(decoder, state, ids, mask, hidden_layer)
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """logits [batch, vocab] -> token ids [batch]."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= sampling.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@partial(nnx.jit, static_argnames=("max_new", "sampling"))
+def decode(decoder: Decoder, state: DecodeState, stop_ids, budget, rng, max_new: int,
+           sampling: SamplingParams = SamplingParams()):
+    """Generates up to `max_new` tokens per row in a `lax.while_loop`.
+
+    stop_ids [batch, n] (NO_TOKEN-padded): a row stops after emitting one of them (the stop token
+    is kept, and written to the cache). budget [batch]: a row's own token limit (0 = idle row).
+    Returns (state, tokens [batch, max_new] with NO_TOKEN after a row stops, n_generated [batch],
+    stopped [batch] = ended on a stop token rather than on its budget).
+    """
+    batch = budget.shape[0]
+
+    def cond(carry):
+        step, _, _, count, done, _ = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, st, tokens, count, done, stopped = carry
+        tok = sample_tokens(st.logits, jax.random.fold_in(rng, step), sampling)
+        live = ~done
+        tokens = tokens.at[:, step].set(jnp.where(live, tok, NO_TOKEN))
+        st, _ = _extend(decoder, st, jnp.where(live, tok, 0)[:, None], live[:, None])
+        count = count + live
+        hit = live & jnp.any(tok[:, None] == stop_ids, axis=-1)
+        return step + 1, st, tokens, count, done | hit | (count >= budget), stopped | hit
+
+    init = (jnp.zeros((), jnp.int32), state, jnp.full((batch, max_new), NO_TOKEN, jnp.int32),
+            jnp.zeros((batch,), jnp.int32), budget <= 0, jnp.zeros((batch,), bool))
+    _, state, tokens, count, _, stopped = jax.lax.while_loop(cond, body, init)
+    return state, tokens, count, stopped
+
+
+def left_pad(rows: Sequence[Sequence[int]], length: int, batch: int, pad_id: int = 0):
+    """Token lists -> (ids, mask) int32 [batch, length], left-padded; extra rows are empty."""
+    ids = np.full((batch, length), pad_id, np.int32)
+    mask = np.zeros((batch, length), bool)
+    for i, row in enumerate(rows):
+        if len(row) > length:
+            raise ValueError(f"row {i} has {len(row)} tokens, more than the chunk length {length}")
+        if len(row):
+            ids[i, length - len(row):] = row
+            mask[i, length - len(row):] = True
+    return ids, mask
+
+
+def stop_matrix(stops: Sequence[Sequence[int]], batch: int) -> np.ndarray:
+    width = max([1, *(len(s) for s in stops)])
+    out = np.full((batch, width), NO_TOKEN, np.int32)
+    for i, s in enumerate(stops):
+        out[i, : len(s)] = s
+    return out
+
+
+def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+             sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
+             ) -> list[list[int]]:
+    """Generates a continuation for each prompt (token ids); stop tokens are kept in the output.
+
+    `stop_ids`: one list for all rows, or one list per row (e.g. EOS, `<EOK>`, source tokens).
+    """
+    if not prompts:
+        raise ValueError("generate: empty batch")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    n = len(prompts)
+    per_row = bool(stop_ids) and isinstance(stop_ids[0], (list, tuple, np.ndarray))
+    stops = list(stop_ids) if per_row else [list(stop_ids)] * n
+    batch, length, steps = bucket(n, 1), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
+    state = init_state(decoder, batch, length + steps)
+    ids, mask = left_pad(prompts, length, batch)
+    state, _ = extend(decoder, state, jnp.asarray(ids), jnp.asarray(mask))
+    budget = np.zeros(batch, np.int32)
+    budget[:n] = max_new_tokens
+    rng = jax.random.key(0) if rng is None else rng
+    _, tokens, count, _ = decode(decoder, state, jnp.asarray(stop_matrix(stops, batch)), jnp.asarray(budget),
+                                 rng, max_new=steps, sampling=sampling)
+    tokens, count = np.asarray(tokens), np.asarray(count)
+    return [tokens[i, : count[i]].tolist() for i in range(n)]

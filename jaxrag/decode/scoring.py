@@ -1,0 +1,52 @@
+"""Batched likelihood scoring: log p(target | prefix) for many (prefix, target) pairs.
+
+Data construction scores 10 contexts per question (l_j = p_M(a | q, c_j)), DPO needs sequence
+log-probs of chosen / rejected verbalizations; both go through `score`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrag.decode.sampler import bucket, left_pad
+from jaxrag.models.decoder import Decoder, positions_from_mask
+
+
+class Scores(NamedTuple):
+    total: np.ndarray  # [n] float: sum of target-token log-probs
+    per_token: list[np.ndarray]  # n arrays [len(target_i)]
+
+
+@nnx.jit
+def token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array) -> jax.Array:
+    """ids/mask [batch, seq] -> [batch, seq] log p(ids[:, t] | ids[:, :t]); column 0 is 0."""
+    logits = decoder(ids, positions_from_mask(mask), mask).logits
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    picked = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+          batch_size: int = 16) -> Scores:
+    """log p(target_i | prefix_i) for each pair, in jitted batches of `batch_size` rows."""
+    if len(prefixes) != len(targets):
+        raise ValueError(f"score: {len(prefixes)} prefixes but {len(targets)} targets")
+    if any(len(p) == 0 for p in prefixes):
+        raise ValueError("score: every prefix needs at least one token (e.g. BOS or the question)")
+    totals, per_token = [], []
+    for start in range(0, len(prefixes), batch_size):
+        rows = [list(p) + list(t) for p, t in zip(prefixes[start:start + batch_size], targets[start:start + batch_size])]
+        length = bucket(max(len(r) for r in rows))
+        ids, mask = left_pad(rows, length, bucket(len(rows), 1))
+        logp = np.asarray(token_logprobs(decoder, jnp.asarray(ids), jnp.asarray(mask)))
+        for i, target in enumerate(targets[start:start + batch_size]):
+            tok = logp[i, length - len(target):] if len(target) else np.zeros(0, np.float32)
+            per_token.append(tok)
+            totals.append(float(tok.sum()))
+    return Scores(np.asarray(totals, np.float64), per_token)

@@ -1,0 +1,96 @@
+"""SR-RAG routed inference: batched rows equal separate runs; tau flips routes; truncation."""
+
+import numpy as np
+import pytest
+
+from jaxrag.decode.routing import RouteConfig, route
+from jaxrag.errors import JaxragError
+from jaxrag.models.model import add_special_tokens
+from jaxrag.policies import always
+from jaxrag.policies.srrag import choose_source, policy_distribution, srrag_policy
+from jaxrag.prompts import question_prefix
+
+QUESTIONS = ["who wrote the novel?", "where is the fox?", "what does retrieval read?", "who is lazy?"]
+LABELS = {0: "wiki", 1: "self", 2: "wiki", 3: "self"}
+CFG = RouteConfig(hidden_layer=2, max_verbal_tokens=6, max_knowledge_tokens=200, max_answer_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from hf_fixtures import make_hf_model
+
+    import jaxrag
+
+    out = tmp_path_factory.mktemp("route")
+    make_hf_model(out, "qwen2", seed=3)
+    return add_special_tokens(jaxrag.load_model(out))
+
+
+def retrieve(questions):
+    return [[f"Passage about {q} number {j}." for j in range(2)] for q in questions]
+
+
+@pytest.fixture(scope="module")
+def datastore(model):
+    """Hand-built: key = each question's own hidden state at <EOQ>, label from LABELS."""
+    keys = []
+    for q in QUESTIONS:
+        ids = model.tokenizer(question_prefix(model.tokenizer, q))["input_ids"]
+        keys.append(np.asarray(model.hidden_states([ids], CFG.hidden_layer))[0, -1])
+    keys = np.stack(keys)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    labels = np.array([["wiki", "self"].index(LABELS[i]) for i in range(len(QUESTIONS))])
+
+    def neighbours(hidden):  # exact cosine 1-NN
+        h = hidden / np.linalg.norm(hidden, axis=1, keepdims=True)
+        return labels[np.argmax(h @ keys.T, axis=1)][:, None]
+
+    return neighbours
+
+
+def test_batched_rows_equal_separate_runs(model, datastore):
+    policy = srrag_policy(datastore, tau=0.0)
+    batched = route(model, QUESTIONS, policy, retrieve, CFG)
+    assert [r.source for r in batched] == [LABELS[i] for i in range(4)]
+    for i, q in enumerate(QUESTIONS):
+        alone = route(model, [q], policy, retrieve, CFG)[0]
+        assert (alone.source, alone.knowledge, alone.answer) == (batched[i].source, batched[i].knowledge, batched[i].answer)
+        np.testing.assert_allclose(alone.p_model, batched[i].p_model, atol=1e-5)
+    for r in batched:
+        assert r.latency["T_d"] > 0 and r.latency["T_g"] > 0
+        assert ("T_r" in r.latency) == (r.source == "wiki") and ("T_v" in r.latency) == (r.source == "self")
+        assert r.knowledge_truncated == (r.source == "self")  # 6 tokens never reach <EOK> here
+
+
+def test_crossing_tau_switches_route(model):
+    q = [QUESTIONS[0]]
+    always_wiki = lambda hidden: np.zeros((len(hidden), 4), int)  # noqa: E731  all neighbours say wiki
+    score = route(model, q, srrag_policy(always_wiki, tau=0.0), retrieve, CFG)[0].score
+    assert 0 < score <= 1
+    assert route(model, q, srrag_policy(always_wiki, tau=score - 1e-4), retrieve, CFG)[0].source == "wiki"
+    assert route(model, q, srrag_policy(always_wiki, tau=score + 1e-4), retrieve, CFG)[0].source == "self"
+
+
+def test_long_knowledge_is_truncated_not_the_question(model):
+    long = lambda qs: [["word " * 400] for _ in qs]  # noqa: E731
+    out = route(model, QUESTIONS[:2], always("wiki"), long, CFG)
+    assert all(r.knowledge_truncated and r.source == "wiki" for r in out)
+    assert [r.question for r in out] == QUESTIONS[:2]
+
+
+def test_policy_math():
+    labels = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    np.testing.assert_allclose(policy_distribution(labels, 2), [[0.4, 0.6], [0.0, 1.0]])
+    p_m = np.array([[0.5, 0.5], [0.9, 0.1]])
+    src, score = choose_source(p_m, policy_distribution(labels, 2), ("wiki", "self"), tau=0.1)
+    np.testing.assert_allclose(score, [0.2, 0.0])
+    assert src.tolist() == [0, 1]
+
+
+def test_bad_requests(model):
+    with pytest.raises(JaxragError, match="empty batch"):
+        route(model, [], always("wiki"), retrieve, CFG)
+    with pytest.raises(JaxragError, match="unknown source 'web'"):
+        route(model, QUESTIONS[:1], always("web"), retrieve, CFG)
+    with pytest.raises(JaxragError, match="every Wiki row needs passages"):
+        route(model, QUESTIONS[:1], always("wiki"), lambda qs: [[]], CFG)
