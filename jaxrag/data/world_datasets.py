@@ -1,0 +1,252 @@
+"""The world's QA datasets: a training mixture mirroring SR-RAG's six and four evaluation sets.
+
+Every entity fact is asked in at most one (dataset, split), and facts stated in QA form during
+pretraining are never asked, so no answer leaks between splits, datasets or pretraining.
+Rule questions each name a fresh item; the rule itself is shared knowledge, like ARC's science.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from jaxrag.data import world_text as wt
+from jaxrag.data.schema import QAExample
+from jaxrag.data.world_entities import Category, Entity, NameMaker, stated_value
+
+TRAIN_SETS = ("nq", "fever", "obqa", "arc_easy", "wow", "asqa")
+EVAL_SETS = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
+BUCKETS = ("head", "torso", "tail")
+# How often a dataset asks about head / torso / tail entities: PopQA is the long tail,
+# TriviaQA leans popular, NQ-like user questions are mixed.
+BUCKET_MIX = {
+    "popqa": (0.05, 0.15, 0.8), "triviaqa": (0.5, 0.3, 0.2), "nq": (0.4, 0.3, 0.3),
+    "fever": (0.4, 0.3, 0.3), "wow": (0.3, 0.3, 0.4),
+}
+QUESTION_STYLE = {"popqa": "popqa", "triviaqa": "trivia", "nq": "nq", "wow": "popqa"}
+RULE_STYLE = {"obqa": "open", "arc_easy": "easy", "arc_challenge": "challenge"}
+RULE_DOMAINS = {"obqa": ("science", "health"), "arc_easy": ("science",),
+                "arc_challenge": ("science",), "pubhealth": ("health",)}
+NUM_CHOICES = 4
+
+
+@dataclass(frozen=True)
+class RuleItem:
+    """The item a rule question names; its corpus passage states `stated` for `property`."""
+
+    name: str
+    category: str
+    property: str
+    stated: str | None
+
+
+def split_sizes(cfg) -> dict[str, dict[str, int]]:
+    """Examples per (dataset, split); eval sets come first, so they get first pick of facts."""
+    sizes = {name: {"test": cfg.eval_test_size, "validation": cfg.eval_validation_size}
+             for name in EVAL_SETS}
+    for name in ("asqa", *(n for n in TRAIN_SETS if n != "asqa")):
+        train = getattr(cfg, f"{name}_size")
+        sizes[name] = {"validation": max(1, round(train * cfg.validation_fraction)), "train": train}
+    return sizes
+
+
+def pretrain_facts(cfg, entities: list[Entity], rng: random.Random) -> list[tuple[str, str]]:
+    """Head facts that pretraining also states in QA form, so knowledge transfers to QA."""
+    facts = [(e.id, a) for e in entities if e.bucket == "head" and not e.namesake_of
+             for a in e.attributes]
+    return sorted(rng.sample(facts, round(len(facts) * cfg.pretrain_qa_fraction)))
+
+
+class DatasetBuilder:
+    """Draws questions without replacement from the world's facts and fresh rule items."""
+
+    def __init__(self, cfg, entities, categories, pools, reserved_facts, names: NameMaker,
+                 rng: random.Random):
+        self.cfg, self.pools, self.names, self.rng = cfg, pools, names, rng
+        self.entities = {e.id: e for e in entities}
+        self.categories = categories
+        self.items: list[RuleItem] = []
+        reserved = set(reserved_facts)
+        self.facts = {b: [(e, a) for e in entities if e.bucket == b and not e.namesake_of
+                          for a in e.attributes if (e.id, a) not in reserved] for b in BUCKETS}
+        for facts in self.facts.values():
+            rng.shuffle(facts)
+        self.namesakes = [e for e in entities if e.namesake_of]
+        rng.shuffle(self.namesakes)
+
+    def build(self) -> dict[str, dict[str, list[QAExample]]]:
+        makers: dict[str, Callable[[str], QAExample | None]] = {
+            "popqa": self.fact_question, "triviaqa": self.fact_question, "nq": self.fact_question,
+            "fever": self.fact_claim, "wow": self.dialogue, "asqa": self.ambiguous,
+            "obqa": self.rule_choice, "arc_easy": self.rule_choice,
+            "arc_challenge": self.rule_choice, "pubhealth": self.rule_claim,
+        }
+        datasets: dict[str, dict[str, list[QAExample]]] = {}
+        for name, splits in split_sizes(self.cfg).items():
+            datasets[name] = {}
+            for split, size in splits.items():
+                drafts = (makers[name](name) for _ in range(size))
+                datasets[name][split] = [replace(d, id=f"{name}-{split}-{i:05d}")
+                                         for i, d in enumerate(x for x in drafts if x)]
+        return {name: datasets[name] for name in (*TRAIN_SETS, *EVAL_SETS)}
+
+
+    # -- entity facts -------------------------------------------------------------------------
+
+    def take_fact(self, mix: tuple[float, ...]) -> tuple[Entity, str] | None:
+        available = [(b, w) for b, w in zip(BUCKETS, mix, strict=True) if self.facts[b]]
+        if not available:
+            return None
+        bucket = self.rng.choices([b for b, _ in available], [w for _, w in available])[0]
+        return self.facts[bucket].pop()
+
+    def fact_question(self, name: str) -> QAExample | None:
+        fact = self.take_fact(BUCKET_MIX[name])
+        if fact is None:
+            return None
+        entity, attribute = fact
+        template = wt.ATTRIBUTES[entity.type][attribute].questions[QUESTION_STYLE[name]]
+        return QAExample("", template.format(n=entity.name), (entity.attributes[attribute],),
+                         metadata=fact_metadata(entity, attribute))
+
+    def fact_claim(self, name: str) -> QAExample | None:
+        fact = self.take_fact(BUCKET_MIX[name])
+        if fact is None:
+            return None
+        entity, attribute = fact
+        truth = entity.attributes[attribute]
+        label = self.rng.random() < 0.5
+        value = truth if label else self.other_value(entity.type, attribute, truth)
+        statement = self.rng.choice(wt.ATTRIBUTES[entity.type][attribute].statements)
+        question = wt.CLAIM.format(s=statement.format(n=entity.name, v=value))
+        metadata = {**fact_metadata(entity, attribute), "claimed_value": value, "label": label}
+        return QAExample("", question, (str(label).lower(),), metadata=metadata)
+
+    def dialogue(self, name: str) -> QAExample | None:
+        """WoW-like: a chatty turn answered by a full sentence that states the fact."""
+        fact = self.take_fact(BUCKET_MIX[name])
+        if fact is None:
+            return None
+        entity, attribute = fact
+        spec = wt.ATTRIBUTES[entity.type][attribute]
+        opener = self.rng.choice(wt.WOW_OPENERS).format(n=entity.name)
+        question = f"{opener} {spec.questions[QUESTION_STYLE[name]].format(n=entity.name)}"
+        value = entity.attributes[attribute]
+        answer = self.rng.choice(spec.statements).format(n=entity.name, v=value)
+        metadata = {**fact_metadata(entity, attribute), "short_answer": value}
+        return QAExample("", question, (answer,), metadata=metadata)
+
+    def ambiguous(self, name: str) -> QAExample | None:
+        """ASQA-like: a name shared by two entities; the long answer covers both readings."""
+        while self.namesakes:
+            namesake = self.namesakes.pop()
+            entity = self.entities[namesake.namesake_of]
+            attribute = self.free_attribute(entity)
+            if attribute:
+                return self.ambiguous_example(entity, namesake, attribute)
+        return None
+
+    def free_attribute(self, entity: Entity) -> str | None:
+        """An attribute of `entity`, other than its disambiguator, not yet asked anywhere."""
+        key = wt.DISAMBIGUATOR[entity.type]
+        for attribute in entity.attributes:
+            fact = (entity, attribute)
+            if attribute != key and fact in self.facts[entity.bucket]:
+                self.facts[entity.bucket].remove(fact)
+                return attribute
+        return None
+
+    def ambiguous_example(self, entity: Entity, namesake: Entity, attribute: str) -> QAExample:
+        spec = wt.ATTRIBUTES[entity.type][attribute]
+        key = wt.DISAMBIGUATOR[entity.type]
+        name_first = [t for t in spec.statements if t.startswith("{n}")]
+        parts = []
+        for e in (entity, namesake):
+            name = wt.DISAMBIGUATED_NAME[e.type].format(d=e.attributes[key], n=e.name)
+            parts.append(self.rng.choice(name_first).format(n=name, v=e.attributes[attribute]))
+        answer = wt.sentence_case(wt.ASQA_JOIN.format(a=parts[0][:-1], b=parts[1][:-1]))
+        metadata = {
+            "kind": "ambiguous", "entities": [entity.id, namesake.id], "attribute": attribute,
+            "short_answers": [entity.attributes[attribute], namesake.attributes[attribute]],
+            "gold_passage_ids": [entity.id, namesake.id], "popularity": entity.popularity,
+            "bucket": entity.bucket,
+        }
+        question = spec.questions["nq"].format(n=entity.name)
+        return QAExample("", question, (answer,), metadata=metadata)
+
+    def other_value(self, entity_type: str, attribute: str, truth: str) -> str:
+        pool = self.pools[wt.ATTRIBUTES[entity_type][attribute].values]
+        return self.rng.choice([v for v in pool if v != truth])
+
+    # -- rules --------------------------------------------------------------------------------
+
+    def new_item(self, name: str) -> tuple[RuleItem, Category]:
+        category = self.rng.choice([c for c in self.categories if c.domain in RULE_DOMAINS[name]])
+        prop = self.rng.choice(wt.RULE_PROPERTIES[category.domain])
+        stated = stated_value(wt.POOLS[prop], category.properties[prop], self.cfg, self.rng)
+        item = RuleItem(self.names.word(), category.name, prop, stated)
+        self.items.append(item)
+        return item, category
+
+    def rule_choice(self, name: str) -> QAExample:
+        """OBQA / ARC-like multiple choice. ARC-Challenge's options include the wrong value the
+        corpus states, so retrieval can talk the model out of the rule it knows."""
+        item, category = self.new_item(name)
+        truth = category.properties[item.property]
+        choices = {truth}
+        if name == "arc_challenge":
+            choices |= {v for v in (item.stated, category.stated[item.property]) if v}
+        others = [v for v in wt.POOLS[item.property] if v not in choices]
+        choices |= set(self.rng.sample(others, NUM_CHOICES - len(choices)))
+        template = wt.RULE_QUESTIONS[item.property][RULE_STYLE[name]]
+        question = template.format(i=item.name, c=category.name)
+        options = sorted(choices)
+        self.rng.shuffle(options)
+        return QAExample("", question, (truth,), tuple(options), rule_metadata(item, category))
+
+    def rule_claim(self, name: str) -> QAExample:
+        """PubHealth-like true/false claim about a remedy, decided by a health rule."""
+        item, category = self.new_item(name)
+        truth = category.properties[item.property]
+        label = self.rng.random() < 0.5
+        value = truth if label else self.rng.choice(
+            [v for v in wt.POOLS[item.property] if v != truth])
+        claim = wt.RULE_CLAIMS[item.property].format(i=item.name, c=category.name, v=value)
+        metadata = {**rule_metadata(item, category), "claimed_value": value, "label": label}
+        return QAExample("", wt.CLAIM.format(s=claim), (str(label).lower(),), metadata=metadata)
+
+
+def fact_metadata(entity: Entity, attribute: str) -> dict:
+    misleading = entity.misleading.get(attribute)
+    return {
+        "kind": "fact", "entity": entity.id, "entity_type": entity.type, "attribute": attribute,
+        "popularity": entity.popularity, "mentions": entity.mentions, "bucket": entity.bucket,
+        "gold_passage_id": entity.id,
+        "misleading_passage_id": misleading_passage_id(entity, attribute) if misleading else None,
+    }
+
+
+def rule_metadata(item: RuleItem, category: Category) -> dict:
+    """The gold passage is whichever of the item's or category's passages states the truth."""
+    truth = category.properties[item.property]
+    said = {item_passage_id(item.name): item.stated,
+            category_passage_id(category.name): category.stated[item.property]}
+    return {
+        "kind": "rule", "item": item.name, "category": category.name, "domain": category.domain,
+        "property": item.property,
+        "gold_passage_id": next((p for p, v in said.items() if v == truth), None),
+        "misleading_passage_id": next((p for p, v in said.items() if v and v != truth), None),
+    }
+
+
+def misleading_passage_id(entity: Entity, attribute: str) -> str:
+    return f"{entity.id}-{entity.misleading[attribute][0]}-{attribute}"
+
+
+def item_passage_id(item: str) -> str:
+    return f"item-{item}"
+
+
+def category_passage_id(category: str) -> str:
+    return f"category-{category}"

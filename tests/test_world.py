@@ -1,0 +1,229 @@
+"""The embedded world: deterministic, leak-free, every answer derivable, tokenizer round-trips."""
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from jaxrag.data import read_examples
+from jaxrag.data import world_text as wt
+from jaxrag.data.world import WorldConfig, generate_world, write_world
+from jaxrag.data.world_datasets import EVAL_SETS, TRAIN_SETS
+from jaxrag.models.tokens import srrag_tokens
+
+DIGEST = """
+import hashlib, json
+from jaxrag.data.world import generate_world
+w = generate_world()
+blob = json.dumps([w.corpus(), {n: {s: [e.to_dict() for e in x] for s, x in d.items()}
+                   for n, d in w.datasets().items()}, w.pretraining_texts(0)], sort_keys=True)
+print(hashlib.sha256(blob.encode()).hexdigest())
+"""
+
+
+@pytest.fixture(scope="module")
+def world():
+    return generate_world()
+
+
+@pytest.fixture(scope="module")
+def written(world, tmp_path_factory):
+    return write_world(world, tmp_path_factory.mktemp("w") / "world")
+
+
+def examples(world):
+    return [(name, split, e) for name, splits in world.datasets().items()
+            for split, xs in splits.items() for e in xs]
+
+
+def digest(world):
+    blob = json.dumps([world.corpus(), {n: {s: [e.to_dict() for e in x] for s, x in d.items()}
+                       for n, d in world.datasets().items()}, world.pretraining_texts(0)],
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def test_same_seed_same_world_across_processes(world):
+    """Also across hash seeds: no output may depend on set or dict-of-set iteration order."""
+    runs = {digest(world), digest(generate_world())}
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run([sys.executable, "-c", DIGEST], env=env, capture_output=True,
+                             text=True, check=True)
+        runs.add(out.stdout.strip())
+    assert len(runs) == 1
+
+
+def test_different_seed_different_world(world):
+    other = generate_world(WorldConfig(seed=1))
+    assert other.corpus() != world.corpus()
+    assert [e.name for e in other.entities] != [e.name for e in world.entities]
+
+
+def test_every_epoch_is_rephrased_with_fresh_reading_comprehension(world):
+    first, second = world.pretraining_parts(0), world.pretraining_parts(1)
+    assert first["rc"] != second["rc"] and first["bio"] != second["bio"]
+    assert world.reading_comprehension(3, 5) == world.reading_comprehension(3, 5)
+    assert world.reading_comprehension(3, 5) != world.reading_comprehension(4, 5)
+
+
+def test_dataset_names_and_splits(world):
+    datasets = world.datasets()
+    assert tuple(datasets) == (*TRAIN_SETS, *EVAL_SETS)
+    for name in TRAIN_SETS:
+        assert set(datasets[name]) == {"train", "validation"} and datasets[name]["train"]
+    for name in EVAL_SETS:
+        assert set(datasets[name]) == {"validation", "test"}
+        assert len(datasets[name]["test"]) == world.config.eval_test_size
+
+
+def test_no_question_or_fact_leaks(world):
+    """Each question once overall; each entity fact asked in one (dataset, split) only, and
+    never one that pretraining shows in QA form; each rule item named once."""
+    items = [(n, s, e) for n, s, e in examples(world)]
+    questions = Counter(e.question for _, _, e in items)
+    assert questions.most_common(1)[0][1] == 1
+    asked: dict[tuple, tuple] = {}
+    for name, split, e in items:
+        m = e.metadata
+        facts = ([(m["entity"], m["attribute"])] if m["kind"] == "fact" else
+                 [(i, m["attribute"]) for i in m["entities"]] if m["kind"] == "ambiguous" else
+                 [("item", m["item"])])
+        for fact in facts:
+            assert fact not in asked, f"{fact} asked in {asked.get(fact)} and {(name, split)}"
+            asked[fact] = (name, split)
+    assert not set(world.pretrain_facts) & set(asked)
+
+
+def truths(world, example) -> list[str]:
+    """The world's true value(s) behind an example, read from its facts, not the example."""
+    m = example.metadata
+    if m["kind"] == "ambiguous":
+        return [world.entity(i).attributes[m["attribute"]] for i in m["entities"]]
+    if m["kind"] == "fact":
+        return [world.entity(m["entity"]).attributes[m["attribute"]]]
+    category = next(c for c in world.categories if c.name == m["category"])
+    return [category.properties[m["property"]]]
+
+
+def test_every_answer_is_derivable_from_world_facts(world):
+    for name, _, e in examples(world):
+        m, values = e.metadata, truths(world, e)
+        if "label" in m:  # true/false claims
+            assert m["label"] == (m["claimed_value"] == values[0])
+            assert m["claimed_value"] in e.question
+            assert e.golden_answers == (str(m["label"]).lower(),)
+        elif name in ("wow", "asqa"):  # long-form: a sentence stating the value(s)
+            assert all(re.search(rf"\b{v}\b", e.golden_answers[0]) for v in values)
+        else:
+            assert e.golden_answers == tuple(values)
+        if e.choices:
+            assert values[0] in e.choices and len(set(e.choices)) == len(e.choices) == 4
+
+
+def test_gold_passages_exist_and_state_the_answer(world):
+    corpus = {p["id"]: p["contents"] for p in world.corpus()}
+    assert len(corpus) == len(world.corpus())
+    for _, _, e in examples(world):
+        m = e.metadata
+        golds = m.get("gold_passage_ids") or [m["gold_passage_id"]]
+        for gold, value in zip(golds, truths(world, e), strict=True):
+            assert gold is None or re.search(rf"\b{value}\b", corpus[gold]), (e.id, gold)
+        assert m.get("misleading_passage_id") is None or m["misleading_passage_id"] in corpus
+    facts = [e for _, _, e in examples(world) if e.metadata["kind"] == "fact"]
+    assert all(e.metadata["gold_passage_id"] for e in facts)
+    for e in facts:  # the misleading passage states a wrong value under the same title
+        m, entity = e.metadata, world.entity(e.metadata["entity"])
+        if m["misleading_passage_id"]:
+            wrong = entity.misleading[m["attribute"]][1]
+            assert corpus[m["misleading_passage_id"]].startswith(entity.name + "\n")
+            assert re.search(rf"\b{wrong}\b", corpus[m["misleading_passage_id"]])
+
+
+def test_passages_are_about_100_words(world):
+    lengths = [len(p["contents"].split("\n", 1)[1].split()) for p in world.corpus()]
+    assert min(lengths) >= 80 and max(lengths) <= 120
+    assert all(p["contents"].count("\n") == 1 for p in world.corpus())
+
+
+def test_popularity_is_zipf_and_buckets_follow_mentions(world):
+    cfg = world.config
+    base = sorted((e for e in world.entities if not e.namesake_of),
+                  key=lambda e: (-e.popularity, -e.mentions))
+    mentions = [e.mentions for e in base]
+    assert mentions == sorted(mentions, reverse=True) and mentions[0] == cfg.max_mentions
+    assert sum(m > 0 for m in mentions) == round(cfg.known_fraction * len(base))
+    for e in world.entities:
+        expected = ("head" if e.mentions >= cfg.head_min_mentions
+                    else "torso" if e.mentions else "tail")
+        assert e.bucket == expected
+    head = sum(e.bucket == "head" for e in base)
+    assert 150 <= head <= 400  # enough popular facts for every dataset's head share
+
+
+def test_eval_sets_mirror_their_originals(world):
+    buckets = {n: Counter(e.metadata["bucket"] for e in world.datasets()[n]["test"])
+               for n in ("popqa", "triviaqa")}
+    assert buckets["popqa"]["tail"] > 0.6 * world.config.eval_test_size
+    assert buckets["triviaqa"]["head"] > 0.3 * world.config.eval_test_size
+    challenge = world.datasets()["arc_challenge"]["test"]
+    misled = [e for e in challenge if e.metadata["misleading_passage_id"]]
+    assert len(misled) > 0.3 * len(challenge)  # retrieval often argues for a wrong choice
+    head = [e for e in world.datasets()["triviaqa"]["test"] if e.metadata["bucket"] == "head"]
+    assert any(e.metadata["misleading_passage_id"] for e in head)
+
+
+def test_pretraining_states_known_facts_never_tail_ones(world):
+    text = "\n".join(world.pretraining_texts(0))
+    persons = [e for e in world.entities if e.type == "person" and not e.namesake_of]
+    for e in persons:
+        assert (e.name in text) == (e.bucket != "tail"), e
+    head = next(e for e in persons if e.bucket == "head")
+    assert text.count(head.name) >= head.mentions * len(head.attributes)
+    for c in world.categories:
+        for prop, value in c.properties.items():
+            assert any(t.format(c=c.name, v=value) in text for t in wt.RULE_STATEMENTS[prop])
+
+
+def test_reading_comprehension_copies_from_the_gold_passage(world):
+    names = {e.name for e in world.entities}
+    for ex in world.reading_comprehension(0, 200):
+        passages, gold = ex.metadata["passages"], ex.metadata["gold_index"]
+        assert 1 <= len(passages) <= world.config.rc_max_passages
+        assert passages[gold].split("\n")[0] not in names  # fresh, never a world entity
+        if ex.metadata["kind"] == "fact":
+            assert ex.golden_answers[0] in passages[gold]
+
+
+def test_written_world_and_tokenizer(world, written):
+    from transformers import AutoTokenizer
+
+    corpus = [json.loads(line) for line in (written / "corpus.jsonl").read_text().splitlines()]
+    assert corpus == world.corpus()
+    for name, splits in world.datasets().items():
+        for split, xs in splits.items():
+            assert read_examples(written / "datasets" / name / f"{split}.jsonl") == xs
+    assert json.loads((written / "world.json").read_text())["config"]["seed"] == 0
+    assert not [p for p in written.parent.iterdir() if p.name.startswith(".")]
+
+    config = json.loads((written / "tokenizer" / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # loadable by transformers 4
+    tok = AutoTokenizer.from_pretrained(written / "tokenizer")
+    for text in [p["contents"] for p in corpus[:300]] + world.pretraining_texts(0)[:300]:
+        assert tok.decode(tok(text)["input_ids"]) == text
+    prompt = "Question: q Background knowledge: <EOQ><Wiki>Some text.<EOK> Answer: a"
+    ids = tok(prompt)["input_ids"]
+    assert tok.decode(ids) == prompt
+    for token in srrag_tokens():
+        (token_id,) = tok(token)["input_ids"]
+        assert tok.convert_ids_to_tokens(token_id) == token
+        assert ids.count(token_id) == prompt.count(token)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
+    values = {v for kind, pool in world.pools.items()
+              if kind not in ("first_name", "last_name", "band") for v in pool}
+    assert all(len(tok(" " + v)["input_ids"]) == 1 for v in values)  # one uniform format
