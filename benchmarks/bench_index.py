@@ -42,7 +42,7 @@ def synthetic_passages(n: int, words: int = 100, seed: int = 0) -> list[str]:
 
 
 def bench_encoder(n: int, batch_size: int) -> dict:
-    from jaxrag.models.encoder import load_encoder
+    from jaxrag.models.encoder_io import load_encoder
 
     encoder = load_encoder()
     texts = synthetic_passages(n)

@@ -8,8 +8,9 @@ import torch
 import transformers
 
 from jaxrag.errors import JaxragError
-from jaxrag.models.encoder import (DEFAULT_ENCODER_NAME, default_encoder_path, embedding_space, load_encoder,
-                                   resolve_encoder)
+from jaxrag.models.encoder import DEFAULT_ENCODER_NAME
+from jaxrag.models.encoder_io import (default_encoder_path, embedding_space, load_encoder,
+                                     resolve_encoder)
 
 SENTENCES = [
     "Paris is the capital and most populous city of France.",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrag.errors import JaxragError
-from jaxrag.models.encoder import load_encoder
+from jaxrag.models.encoder_io import load_encoder
 from jaxrag.retrieval.index import IndexParams, VectorIndex, exact_search
 from jaxrag.retrieval.retriever import Retriever, build_corpus_index, build_dpr_index, build_passage_index
 from jaxrag.retrieval.writer import IndexWriter, build_index
@@ -172,7 +172,7 @@ def test_passage_index_end_to_end_with_minilm(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": i, "contents": f"{t}\n{x}"}) + "\n" for i, t, x in PASSAGES))
     encoder = load_encoder()
-    index = build_passage_index(corpus, tmp_path / "idx", encoder, progress=False)
+    build_passage_index(corpus, tmp_path / "idx", encoder, progress=False)
     retriever = Retriever(VectorIndex(tmp_path / "idx"), encoder)
     hits = retriever.search(["Who wrote Hamlet?", "What is the biggest planet?", "capital of France"], k=2)
     assert [h[0].passage.id for h in hits] == ["hamlet", "jupiter", "paris"]

@@ -13,7 +13,6 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxrag.data import world_text as wt
 from jaxrag.models.tokens import add_srrag_tokens
 from jaxrag.prompts import GENREAD_PROMPT
 

@@ -23,7 +23,7 @@ def _params(args, auto_storage: str = "auto"):
 
 
 def build(args) -> None:
-    from jaxrag.models.encoder import load_encoder
+    from jaxrag.models.encoder_io import load_encoder
     from jaxrag.retrieval.retriever import build_passage_index
 
     index = build_passage_index(args.corpus, args.out, load_encoder(args.encoder), params=_params(args),
@@ -40,7 +40,7 @@ def build_dpr(args) -> None:
 
 
 def search(args) -> None:
-    from jaxrag.models.encoder import load_encoder
+    from jaxrag.models.encoder_io import load_encoder
     from jaxrag.retrieval.index import VectorIndex
     from jaxrag.retrieval.retriever import Retriever
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrag.errors import JaxragError
-from jaxrag.models.encoder import embedding_space
+from jaxrag.models.encoder_io import embedding_space
 from jaxrag.retrieval.corpus import Passage, PassageStore, file_signature
 
 FORMAT = "jaxrag-index/1"
