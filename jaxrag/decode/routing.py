@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrag.decode.sampler import SamplingParams, bucket, decode, extend, init_state, left_pad, stop_matrix
+from jaxrag.decode.sampler import (SamplingParams, batch_rows, bucket, decode, extend, init_state, left_pad,
+                                   on_mesh, stop_matrix)
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import EOK, source_token
@@ -74,8 +74,10 @@ def _knowledge_chunk(tok, source: str, passages: list[str] | None, verbal_stoppe
 
 
 def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retrieve,
-          cfg: RouteConfig, rng: jax.Array | None = None) -> list[Routed]:
-    """Routes, verbalizes or retrieves, and answers a batch of questions in one pass."""
+          cfg: RouteConfig, rng: jax.Array | None = None, mesh=None) -> list[Routed]:
+    """Routes, verbalizes or retrieves, and answers a batch of questions in one pass.
+
+    `mesh`: rows are split over its batch axes (decoder placed with `shard_decoder`)."""
     if not questions:
         raise JaxragError("route: empty batch of questions")
     if not model.sources:
@@ -86,7 +88,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     eok, answer = model.token_id(EOK), _encode(tok, ANSWER_PREFIX)
     eos = [i for i in np.atleast_1d(tok.eos_token_id if tok.eos_token_id is not None else []).tolist()]
     prompts = [_encode(tok, question_prefix(tok, q), first=True) for q in questions]
-    batch, plen = bucket(n, 1), bucket(max(map(len, prompts)))
+    batch, plen = batch_rows(n, mesh), bucket(max(map(len, prompts)))
     vlen = bucket(cfg.max_verbal_tokens)
     klen = bucket(cfg.max_knowledge_tokens + 2 + len(answer))
     alen = bucket(cfg.max_answer_tokens)
@@ -96,7 +98,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     def select():
         state = init_state(dec, batch, plen + 1 + vlen + klen + alen)
         ids, mask = left_pad(prompts, plen, batch)
-        return extend(dec, state, jnp.asarray(ids), jnp.asarray(mask), hidden_layer=cfg.hidden_layer)
+        return extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh), hidden_layer=cfg.hidden_layer)
 
     (state, hidden), t_d = _timed(select)
     p_src = np.asarray(jax.nn.softmax(state.logits[:n][:, np.asarray(src_ids)], axis=-1), np.float64)
@@ -108,10 +110,10 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     # T_v: append each row's source token; Self rows verbalize up to <EOK>.
     def verbalize():
         ids, mask = left_pad([[src_ids[sources.index(s)]] for s in chosen], 1, batch)
-        st, _ = extend(dec, state, jnp.asarray(ids), jnp.asarray(mask))
+        st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
         budget[:n] = [cfg.max_verbal_tokens if s != "wiki" else 0 for s in chosen]
-        return decode(dec, st, jnp.asarray(stop_matrix([[eok]], batch)), jnp.asarray(budget),
+        return decode(dec, st, on_mesh(stop_matrix([[eok]], batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
 
     (state, verbal, verbal_len, verbal_stopped), t_v = _timed(verbalize)
@@ -133,10 +135,10 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
 
     def answer_phase():
         ids, mask = left_pad([c for c, _ in chunks], klen, batch)
-        st, _ = extend(dec, state, jnp.asarray(ids), jnp.asarray(mask))
+        st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
         budget[:n] = cfg.max_answer_tokens
-        return decode(dec, st, jnp.asarray(stop_matrix([eos], batch)), jnp.asarray(budget),
+        return decode(dec, st, on_mesh(stop_matrix([eos], batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 1), max_new=alen, sampling=cfg.sampling)
 
     (_, answers, answer_len, _), t_g = _timed(answer_phase)

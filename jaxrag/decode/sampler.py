@@ -154,13 +154,45 @@ def stop_matrix(stops: Sequence[Sequence[int]], batch: int) -> np.ndarray:
     return out
 
 
+def shard_decoder(decoder: Decoder, mesh) -> Decoder:
+    """The decoder with its parameters placed on `mesh` by the logical-axis rules."""
+    from jaxrag import sharding
+
+    graphdef, state = nnx.split(decoder)
+    shardings = sharding.param_shardings(mesh, decoder)
+    placed = jax.tree.map(jax.device_put, nnx.to_pure_dict(state), shardings)
+    nnx.replace_by_pure_dict(state, placed)
+    return nnx.merge(graphdef, state)
+
+
+def batch_rows(n: int, mesh=None) -> int:
+    """Padded batch size: a power of two, and a multiple of the mesh's data-parallel size."""
+    rows = bucket(n, 1)
+    if mesh is None:
+        return rows
+    from jaxrag.sharding import data_parallel_size
+
+    dp = data_parallel_size(mesh)
+    return -(-rows // dp) * dp
+
+
+def on_mesh(array, mesh):
+    """Host array -> device array, split over the mesh's batch axes when there is a mesh."""
+    if mesh is None:
+        return jnp.asarray(array)
+    from jaxrag.sharding import batch_sharding
+
+    return jax.device_put(array, batch_sharding(mesh))
+
+
 def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
-             ) -> list[list[int]]:
+             mesh=None) -> list[list[int]]:
     """Generates a continuation for each prompt (token ids); stop tokens are kept in the output.
 
     `stop_ids`: one list for all rows, or one list per row (e.g. EOS, `<EOK>`, source tokens).
+    `mesh`: rows are split over its batch axes (the decoder placed with `shard_decoder`).
     """
     if not prompts:
         raise ValueError("generate: empty batch")
@@ -169,14 +201,14 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     n = len(prompts)
     per_row = bool(stop_ids) and isinstance(stop_ids[0], (list, tuple, np.ndarray))
     stops = list(stop_ids) if per_row else [list(stop_ids)] * n
-    batch, length, steps = bucket(n, 1), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
+    batch, length, steps = batch_rows(n, mesh), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
     state = init_state(decoder, batch, length + steps)
     ids, mask = left_pad(prompts, length, batch)
-    state, _ = extend(decoder, state, jnp.asarray(ids), jnp.asarray(mask))
+    state, _ = extend(decoder, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
     budget = np.zeros(batch, np.int32)
     budget[:n] = max_new_tokens
     rng = jax.random.key(0) if rng is None else rng
-    _, tokens, count, _ = decode(decoder, state, jnp.asarray(stop_matrix(stops, batch)), jnp.asarray(budget),
+    _, tokens, count, _ = decode(decoder, state, on_mesh(stop_matrix(stops, batch), mesh), on_mesh(budget, mesh),
                                  rng, max_new=steps, sampling=sampling)
     tokens, count = np.asarray(tokens), np.asarray(count)
     return [tokens[i, : count[i]].tolist() for i in range(n)]
