@@ -7,8 +7,11 @@ k = 30 datastore neighbours. Override any field on the command line: `--config.s
 
 from __future__ import annotations
 
+import dataclasses
+
 from ml_collections import ConfigDict
 
+from jaxrag.data.world import WorldConfig
 from jaxrag.models.tokens import DEFAULT_SOURCES
 
 PAPER_MODELS = {
@@ -50,12 +53,16 @@ def paper_config(family: str) -> ConfigDict:
         demos_per_cluster=5,
         label_rule="sum",  # Algorithm 1 line 11; "majority" = the text's majority of the top-n
     ))
+    # per_device_batch_size: rows per data shard per micro-step (0 = the whole batch at once);
+    # gradient accumulation keeps the global batch at batch_size on any device count.
+    run = dict(per_device_batch_size=0, checkpoint_every=200, keep_checkpoints=3, log_every=10)
     cfg.stage1 = ConfigDict(dict(batch_size=64, lr=1e-5, epochs=1, warmup_ratio=0.03,
-                                 weight_decay=0.0, grad_clip=1.0, extra_passages_lambda=2.0))
+                                 weight_decay=0.0, grad_clip=1.0, extra_passages_lambda=2.0, **run))
     cfg.stage2 = ConfigDict(dict(batch_size=64, lr=5e-7, epochs=1, warmup_ratio=0.03,
-                                 weight_decay=0.0, grad_clip=1.0, dpo_beta=0.3))
+                                 weight_decay=0.0, grad_clip=1.0, dpo_beta=0.3, extra_passages_lambda=2.0, **run))
     cfg.inference = ConfigDict(dict(k=30, tau=tau, batch_size=10, max_answer_tokens=64))
-    cfg.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 = the remaining devices
+    # -1 = the remaining devices. A 7B model with AdamW (~112 GB) must be split: FSDP over all.
+    cfg.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     return cfg
 
 
@@ -66,10 +73,17 @@ def tiny_config(family: str) -> ConfigDict:
     cfg.model.path = ""  # trained from scratch in the `base` stage
     cfg.model.dtype = "float32"
     cfg.model.max_length = 256
-    cfg.model.arch = ConfigDict(dict(hidden_size=256, intermediate_size=768, num_layers=4,
-                                     num_heads=4, num_kv_heads=2, max_position_embeddings=512))
+    # Hugging Face config fields of the model trained from scratch.
+    cfg.model.arch = ConfigDict(dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512))
     cfg.model.datastore_layer = 2
+    cfg.mesh.update(data=-1, fsdp=1)
     cfg.retrieval.encoder = "minilm"  # all-MiniLM-L6-v2 from the offline package
+    cfg.world = ConfigDict({k: v for k, v in dataclasses.asdict(WorldConfig()).items() if k != "seed"})
+    cfg.world_probe = ConfigDict(dict(questions=100))  # per popularity bucket
+    # The base model's whole education: 200 steps x 16 x 256 = 0.8M tokens of world text.
+    cfg.pretrain = ConfigDict(dict(batch_size=16, lr=3e-3, steps=200, warmup_ratio=0.05,
+                                   weight_decay=0.01, grad_clip=1.0, checkpoint_every=100))
     cfg.construct.verbalize_max_tokens = 48
     cfg.stage1.update(batch_size=16, lr=1e-3)
     cfg.stage2.update(batch_size=16, lr=1e-4)

@@ -1,14 +1,15 @@
 """SR-RAG's sequence format, in one place for training, decoding and evaluation (paper §3.1):
 
-    Question: {q} Background knowledge: <EOQ><s>{knowledge}<EOK> Answer: {a}
+    Question: {q} Background knowledge:<EOQ><s> {knowledge}<EOK> Answer: {a}</s>
 
-With a chat template, the question is the user turn and the assistant turn starts at
-"Background knowledge:", so the model routes, verbalizes and answers inside its own reply.
+With a chat template, `Question: {q}` is the user turn and the rest follows the assistant
+header, so the model routes, verbalizes and answers inside its own reply. Training and inference
+build token ids with the same functions below, so inference sees exactly the trained ids.
 """
 
 from __future__ import annotations
 
-from jaxrag.models.tokens import EOK, EOQ, source_token
+from jaxrag.models.tokens import EOK, EOQ
 
 ANSWER_PREFIX = " Answer:"
 GENREAD_PROMPT = (
@@ -18,23 +19,45 @@ GENREAD_PROMPT = (
 GENREAD_AMBIGUOUS = " If the question is ambiguous, generate multiple documents for each possibility."
 
 
-def question_prefix(tokenizer, question: str) -> str:
-    """Text up to and including `<EOQ>`: where the model picks its knowledge source."""
-    if getattr(tokenizer, "chat_template", None):
-        turn = tokenizer.apply_chat_template([{"role": "user", "content": f"Question: {question}"}],
-                                             tokenize=False, add_generation_prompt=True)
-        return f"{turn}Background knowledge: {EOQ}"
-    return f"Question: {question} Background knowledge: {EOQ}"
-
-
-def knowledge_segment(source: str, knowledge: str) -> str:
-    """`<Wiki>{passages}<EOK>` / `<Self>{verbalization}<EOK>`."""
-    return f"{source_token(source)}{knowledge}{EOK}"
-
-
-def answer_text(answer: str) -> str:
-    return f" {answer}"
-
-
 def join_passages(passages: list[str]) -> str:
+    """Several passages as one knowledge string (one per line)."""
     return "\n".join(p.strip() for p in passages)
+
+
+# Token ids of the prompt pieces: the single definition training and inference share.
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+def prompt_text(tokenizer, question: str) -> str:
+    """Everything before `<EOQ>`; the chat template wraps the question as the user turn."""
+    if getattr(tokenizer, "chat_template", None):
+        turn = [{"role": "user", "content": f"Question: {question}"}]
+        return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) + "Background knowledge:"
+    return f"Question: {question} Background knowledge:"
+
+
+def prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
+    """Token ids up to and including `<EOQ>`. Without a chat template the tokenizer adds its
+    usual special tokens (BOS for Llama), as for pretraining text; a template writes its own."""
+    eoq = tokenizer.convert_tokens_to_ids(EOQ)
+    texts = [prompt_text(tokenizer, q) for q in questions]
+    specials = not getattr(tokenizer, "chat_template", None)
+    return [ids + [eoq] for ids in tokenizer(texts, add_special_tokens=specials)["input_ids"]]
+
+
+def knowledge_ids(tokenizer, passages_per_row: list[list[str]]) -> list[list[int]]:
+    """Knowledge between `<s>` and `<EOK>`: passages joined by newlines, after one space."""
+    return _encode(tokenizer, [" " + join_passages(ps) for ps in passages_per_row])
+
+
+def answer_prefix_ids(tokenizer) -> list[int]:
+    """`<EOK> Answer:`: appended after the knowledge, never a training target."""
+    return [tokenizer.convert_tokens_to_ids(EOK)] + _encode(tokenizer, [ANSWER_PREFIX])[0]
+
+
+def answer_ids(tokenizer, answers: list[str]) -> list[list[int]]:
+    """` {a}` + EOS (the model learns to stop)."""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return [ids + eos for ids in _encode(tokenizer, [" " + a.strip() for a in answers])]

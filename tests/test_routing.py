@@ -8,7 +8,7 @@ from jaxrag.errors import JaxragError
 from jaxrag.models.model import add_special_tokens
 from jaxrag.policies import always
 from jaxrag.policies.srrag import choose_source, policy_distribution, srrag_policy
-from jaxrag.prompts import question_prefix
+from jaxrag.prompts import prompt_ids
 
 QUESTIONS = ["who wrote the novel?", "where is the fox?", "what does retrieval read?", "who is lazy?"]
 LABELS = {0: "wiki", 1: "self", 2: "wiki", 3: "self"}
@@ -35,7 +35,7 @@ def datastore(model):
     """Hand-built: key = each question's own hidden state at <EOQ>, label from LABELS."""
     keys = []
     for q in QUESTIONS:
-        ids = model.tokenizer(question_prefix(model.tokenizer, q))["input_ids"]
+        ids = prompt_ids(model.tokenizer, [q])[0]
         keys.append(np.asarray(model.hidden_states([ids], CFG.hidden_layer))[0, -1])
     keys = np.stack(keys)
     keys /= np.linalg.norm(keys, axis=1, keepdims=True)

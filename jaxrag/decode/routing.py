@@ -1,6 +1,6 @@
 """SR-RAG routed inference (paper §3.4, Eq. 7) for a batch, in one left-to-right pass:
 
-    prefill `Question: q Background knowledge: <EOQ>`  -> p_M(<s>|q) and the hidden state at <EOQ>
+    prefill `Question: q Background knowledge:<EOQ>`   -> p_M(<s>|q) and the hidden state at <EOQ>
     policy(p_M, hidden)                                -> one source per row (kNN p_D for SR-RAG)
     append <s>; Self rows verbalize up to <EOK>        (Wiki rows sit idle: budget 0)
     retrieve for Wiki rows in one batched call; append passages<EOK> (Self rows: <EOK> only if
@@ -25,7 +25,7 @@ from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import EOK, source_token
 from jaxrag.policies import Policy, PolicyInputs
-from jaxrag.prompts import ANSWER_PREFIX, join_passages, question_prefix
+from jaxrag.prompts import answer_prefix_ids, join_passages, knowledge_ids, prompt_ids
 
 Retrieve = Callable[[list[str]], list[list[str]]]  # questions -> passages per question
 
@@ -52,25 +52,21 @@ class Routed:
     latency: dict[str, float]  # T_d, T_v | T_r, T_g in seconds (batch phase time / rows sharing it)
 
 
-def _encode(tokenizer, text: str, first: bool = False) -> list[int]:
-    # The prefix gets the tokenizer's BOS unless a chat template already wrote it.
-    add = first and not getattr(tokenizer, "chat_template", None)
-    return tokenizer(text, add_special_tokens=add)["input_ids"]
-
-
 def _timed(fn):
     start = time.perf_counter()
     out = jax.block_until_ready(fn())
     return out, time.perf_counter() - start
 
 
-def _knowledge_chunk(tok, source: str, passages: list[str] | None, verbal_stopped: bool,
-                     eok: int, answer: list[int], budget: int) -> tuple[list[int], bool]:
-    """Tokens appended after the verbalization phase; (tokens, knowledge was truncated)."""
-    if source != "wiki":
-        return ([] if verbal_stopped else [eok]) + answer, not verbal_stopped
-    text = _encode(tok, join_passages(passages))
-    return text[:budget] + [eok] + answer, len(text) > budget
+def _knowledge_chunk(tok, passages: list[str] | None, verbal_stopped: bool, tail: list[int],
+                     budget: int) -> tuple[list[int], bool]:
+    """Tokens appended after the verbalization phase, ending in `<EOK> Answer:` (`tail`);
+    returns (tokens, knowledge was truncated). A Self row that stopped on its own `<EOK>` has
+    it in the cache already."""
+    if passages is None:
+        return (tail[1:] if verbal_stopped else tail), not verbal_stopped
+    text = knowledge_ids(tok, [passages])[0]
+    return text[:budget] + tail, len(text) > budget
 
 
 def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retrieve,
@@ -85,12 +81,12 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     tok, dec, sources = model.tokenizer, model.decoder, tuple(model.sources)
     n = len(questions)
     src_ids = [model.token_id(source_token(s)) for s in sources]
-    eok, answer = model.token_id(EOK), _encode(tok, ANSWER_PREFIX)
-    eos = [i for i in np.atleast_1d(tok.eos_token_id if tok.eos_token_id is not None else []).tolist()]
-    prompts = [_encode(tok, question_prefix(tok, q), first=True) for q in questions]
+    eok, tail = model.token_id(EOK), answer_prefix_ids(tok)
+    eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
+    prompts = prompt_ids(tok, list(questions))
     batch, plen = batch_rows(n, mesh), bucket(max(map(len, prompts)))
     vlen = bucket(cfg.max_verbal_tokens)
-    klen = bucket(cfg.max_knowledge_tokens + 2 + len(answer))
+    klen = bucket(cfg.max_knowledge_tokens + len(tail))
     alen = bucket(cfg.max_answer_tokens)
     rng = jax.random.key(0) if rng is None else rng
 
@@ -130,8 +126,8 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     passages = dict(zip(wiki_rows, found))
 
     # T_g: knowledge tail + " Answer:" for every row, then the answer.
-    chunks = [_knowledge_chunk(tok, chosen[i], passages.get(i), bool(verbal_stopped[i]), eok, answer,
-                               cfg.max_knowledge_tokens) for i in range(n)]
+    chunks = [_knowledge_chunk(tok, passages.get(i), bool(verbal_stopped[i]), tail, cfg.max_knowledge_tokens)
+              for i in range(n)]
 
     def answer_phase():
         ids, mask = left_pad([c for c, _ in chunks], klen, batch)
@@ -150,7 +146,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         if chosen[i] == "wiki":
             knowledge, phase = join_passages(passages[i]), {"T_r": t_r / len(wiki_rows)}
         else:
-            knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok])
+            knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok]).strip()
             phase = {"T_v": t_v / n_self}
         text = tok.decode([t for t in answers[i, : answer_len[i]] if t not in eos], skip_special_tokens=True)
         out.append(Routed(

@@ -101,23 +101,26 @@ def _load_tokenizer(model_dir: Path):
         raise JaxragError(f"{model_dir}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from None
 
 
-def _resolve(path: str | os.PathLike) -> Path:
+def resolve_model_dir(path: str | os.PathLike) -> Path:
     """A local directory, or a hub name downloaded when the network allows."""
     local = Path(path)
     hub_like = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
     if local.exists() or not hub_like:
+        if not local.is_dir():
+            raise JaxragError(f"{path}: no such directory")
         return local
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
     except Exception as e:  # network, auth, missing repo: all mean "not available here"
-        raise JaxragError(f"{path}: not a local directory and could not be fetched from the hub ({e})") from None
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise JaxragError(f"{path}: not a local directory and could not be fetched from the hub ({reason})") from None
 
 
 def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32") -> Model:
     """HF directory / hub name / jaxrag checkpoint -> Model. `dtype` = compute dtype ('auto' ok)."""
-    model_dir = _resolve(path)
+    model_dir = resolve_model_dir(path)
     hf_config = hf.read_hf_config(model_dir)
     cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=param_dtype)
     meta_path = model_dir / JAXRAG_META

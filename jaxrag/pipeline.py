@@ -1,0 +1,156 @@
+"""The pipeline: stages `(config, workdir) -> artifact`, each cached in `workdir/<stage>`.
+
+    world (embedded default only) -> base -> index -> export
+
+A stage's artifact is built in a temp path and renamed into place, so an existing artifact is
+complete and the stage is skipped; an interrupted stage is redone from its own checkpoints.
+The paper's remaining stages (construct, stage1, stage2, datastore, baselines, eval) are added
+by the issues that build them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import transformers
+from flax import nnx
+from ml_collections import ConfigDict
+
+from jaxrag.errors import JaxragError
+
+Stage = Callable[[ConfigDict, Path], Path]
+
+
+def is_embedded(cfg: ConfigDict) -> bool:
+    """The embedded default trains its model from scratch on the generated world."""
+    return not cfg.model.path
+
+
+def world_stage(cfg: ConfigDict, workdir: Path) -> Path:
+    from jaxrag.data.world import WorldConfig, generate_world, write_world
+
+    world_cfg = WorldConfig(**{"seed": int(cfg.seed), **cfg.world.to_dict()})
+    return write_world(generate_world(world_cfg), workdir / "world")
+
+
+def _tiny_model(cfg: ConfigDict, workdir: Path):
+    """A randomly initialised model of the config's family and `arch`, on the world tokenizer
+    (which already carries the SR-RAG tokens)."""
+    from jaxrag.models import hf
+    from jaxrag.models.decoder import Decoder
+    from jaxrag.models.model import Model
+
+    tok = transformers.AutoTokenizer.from_pretrained(workdir / "world" / "tokenizer")
+    hf_config = transformers.AutoConfig.for_model(
+        cfg.model.family, vocab_size=len(tok), tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **cfg.model.arch.to_dict())
+    dec_cfg = hf.decoder_config(hf_config, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    decoder = Decoder(dec_cfg, nnx.Rngs(int(cfg.seed)))
+    return Model(decoder, tok, hf_config, tuple(cfg.model.sources))
+
+
+def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
+    """Embedded default: pretrain the tiny model on the world's text, then probe what it knows.
+    Real models: convert the HF checkpoint and add the SR-RAG tokens."""
+    from jaxrag.models.model import add_special_tokens, load_model, save_model
+
+    out = workdir / "base"
+    if not is_embedded(cfg):
+        model = add_special_tokens(load_model(cfg.model.path, dtype=cfg.model.dtype), cfg.model.sources)
+        return save_model(model, out)
+    from jaxrag.data.world import WorldConfig, generate_world
+    from jaxrag.eval.probe import probe_world_knowledge
+    from jaxrag.train.stages import train_lm
+
+    world = generate_world(WorldConfig(**{"seed": int(cfg.seed), **cfg.world.to_dict()}))
+    model = train_lm(_tiny_model(cfg, workdir), world.pretraining_texts, cfg, workdir / "base_train")
+    metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions))
+    save_model(model, out)
+    (out / "probe.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    print("  world probe:", json.dumps(metrics))
+    return out
+
+
+def index_stage(cfg: ConfigDict, workdir: Path) -> Path:
+    """Encode the corpus and build the passage index; on the embedded world also measure
+    recall@n of the gold passage per evaluation set (written beside the index)."""
+    from jaxrag.retrieval.retriever import build_corpus_index
+
+    corpus = workdir / "world" / "corpus.jsonl" if is_embedded(cfg) else Path(cfg.retrieval.corpus)
+    if not corpus.is_file():
+        raise JaxragError(f"{corpus}: corpus not found (set --config.retrieval.corpus=/path/psgs_w100.tsv)")
+    building, out = workdir / "index.building", workdir / "index"
+    build_corpus_index(corpus, building, encoder=cfg.retrieval.encoder,
+                       passage_embeddings=cfg.retrieval.passage_embeddings or None, overwrite=True)
+    if is_embedded(cfg):
+        recall = gold_passage_recall(cfg, workdir, building)
+        (building / "retrieval_metrics.json").write_text(json.dumps(recall, indent=1) + "\n")
+        print("  gold-passage recall:", json.dumps(recall))
+    building.rename(out)
+    return out
+
+
+def gold_passage_recall(cfg: ConfigDict, workdir: Path, index_dir: Path) -> dict[str, float]:
+    """recall@n_passages of each evaluation question's gold passage (embedded world)."""
+    from jaxrag.data.schema import read_examples
+    from jaxrag.retrieval.retriever import Retriever
+
+    retriever = Retriever.load(index_dir, cfg.retrieval.encoder)
+    k, recall = int(cfg.retrieval.n_passages), {}
+    for name in cfg.data.eval:
+        examples = [e for e in read_examples(workdir / "world" / "datasets" / name / "test.jsonl")
+                    if e.metadata.get("gold_passage_id")]
+        if examples:
+            hits = retriever.search([e.question for e in examples], k)
+            found = [e.metadata["gold_passage_id"] in {h.passage.id for h in hs} for e, hs in zip(examples, hits)]
+            recall[f"{name}@{k}"] = sum(found) / len(found)
+    return recall
+
+
+def export_stage(cfg: ConfigDict, workdir: Path) -> Path:
+    from jaxrag.models.model import export_hf, load_model
+
+    return export_hf(load_model(workdir / "base"), workdir / "export")
+
+
+STAGES: list[tuple[str, Stage]] = [
+    ("world", world_stage),
+    ("base", base_stage),
+    ("index", index_stage),
+    ("export", export_stage),
+]
+
+
+def preflight(cfg: ConfigDict) -> None:
+    """Real-model configs stop at once, before any work, when weights are not at hand."""
+    if is_embedded(cfg):
+        return
+    from jaxrag.models.model import resolve_model_dir
+
+    try:
+        resolve_model_dir(cfg.model.path)
+    except JaxragError as e:
+        raise JaxragError(f"{e}. Download the weights and pass --config.model.path=/path/to/hf_model_dir "
+                          "(plus --config.retrieval.corpus and --config.data.dir for the data)") from None
+
+
+def run(cfg: ConfigDict, workdir: Path) -> dict[str, Path]:
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    preflight(cfg)
+    artifacts = {}
+    stages = [(n, s) for n, s in STAGES if n != "world" or is_embedded(cfg)]
+    for i, (name, stage) in enumerate(stages, 1):
+        out = workdir / name
+        if out.exists():
+            print(f"[{i}/{len(stages)}] {name}: done ({out})", flush=True)
+        else:
+            print(f"[{i}/{len(stages)}] {name}: running", flush=True)
+            start = time.perf_counter()
+            stage(cfg, workdir)
+            print(f"[{i}/{len(stages)}] {name}: finished in {time.perf_counter() - start:.0f}s -> {out}", flush=True)
+        artifacts[name] = out
+    return artifacts

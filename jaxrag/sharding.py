@@ -1,0 +1,151 @@
+"""Device mesh and logical-axis rules: the only module that names mesh axes.
+
+One mesh over all devices with axes (data, fsdp, tensor). Parameters carry logical axis names
+(`out_sharding` metadata, see `jaxrag.models.decoder`); `LOGICAL_RULES` maps them to mesh axes:
+weights are split over `fsdp` along the hidden dimension (ZeRO-3 style) and over `tensor`
+along heads / MLP / vocab (Megatron style); batches are split over `data` x `fsdp`.
+A dimension that an axis does not divide (4 KV heads on 8 tensor devices, say) is replicated
+over that axis instead of failing, so any mesh shape runs any model.
+
+Multi-host: `initialize_distributed()` joins the job when launched on several hosts; each host
+then builds only the batch rows its own devices hold (`host_rows` / `global_batch`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrag.errors import JaxragError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the leading (batch) dimension of every input array
+LOGICAL_RULES = (
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+)
+
+
+def is_multihost_launch(env: Mapping[str, str] = os.environ) -> bool:
+    """True when the launcher started several processes: JAXRAG_DISTRIBUTED=1 (explicit
+    opt-in, e.g. on a TPU pod slice), JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, or
+    TPU_WORKER_HOSTNAMES listing several workers."""
+    def count(name):
+        try:
+            return int(env.get(name, "1"))
+        except ValueError:
+            return 1
+    return env.get("JAXRAG_DISTRIBUTED") == "1" or bool(env.get("JAX_COORDINATOR_ADDRESS")) \
+        or count("SLURM_NTASKS") > 1 \
+        or count("OMPI_COMM_WORLD_SIZE") > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+
+
+def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
+    """Calls `jax.distributed.initialize()` once on multi-host launches; must run before any
+    other JAX call. JAX_NUM_PROCESSES / JAX_PROCESS_ID override cluster auto-detection."""
+    if not is_multihost_launch(env) or jax.distributed.is_initialized():
+        return False
+    num = env.get("JAX_NUM_PROCESSES")
+    pid = env.get("JAX_PROCESS_ID")
+    jax.distributed.initialize(num_processes=int(num) if num else None,
+                               process_id=int(pid) if pid else None)
+    return True
+
+
+def mesh_shape(spec: Mapping[str, int], n_devices: int) -> tuple[int, ...]:
+    """(data, fsdp, tensor) sizes from config; one axis may be -1 = the remaining devices."""
+    sizes = [int(spec[a]) for a in MESH_AXES]
+    free = [i for i, s in enumerate(sizes) if s == -1]
+    if len(free) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise JaxragError(f"config mesh {dict(zip(MESH_AXES, sizes))}: sizes must be positive, "
+                          "with at most one -1 (= the remaining devices)")
+    fixed = math.prod(s for s in sizes if s != -1)
+    if free:
+        if n_devices % fixed:
+            raise JaxragError(f"config mesh {dict(zip(MESH_AXES, sizes))}: {n_devices} devices "
+                              f"are not divisible by the fixed axes' product {fixed}")
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes) != n_devices:
+        raise JaxragError(f"config mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} "
+                          f"devices, but {n_devices} are available")
+    return tuple(sizes)
+
+
+def make_mesh(spec: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all hosts)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(spec, len(devices))
+    # Auto axes: the model code is unannotated, XLA propagates shardings from the inputs.
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Drops mesh axes that do not divide their dimension (that dimension is replicated)."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = math.prod(mesh.shape[a] for a in names)
+        out.append(axes if names and dim % size == 0 else None)
+    return P(*out)
+
+
+def param_shardings(mesh: Mesh, module: nnx.Module) -> dict:
+    """Pure-dict tree (as `nnx.to_pure_dict`) of NamedSharding for the module's parameters.
+
+    `module` may be abstract (`nnx.eval_shape`); only shapes and axis metadata are read."""
+    state = nnx.state(module, nnx.Param)
+    with nnx.logical_axis_rules(LOGICAL_RULES):
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    shapes = nnx.to_pure_dict(state)
+    return jax.tree.map(lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)), specs, shapes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) dimension over data x fsdp; other dimensions replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def host_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
+    """Sorted global row indices of a [batch_size, ...] batch that this host's devices hold."""
+    index_map = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+    rows = np.zeros(batch_size, bool)
+    for index in index_map.values():
+        rows[index[0]] = True
+    return np.flatnonzero(rows)
+
+
+def global_batch(local: Mapping[str, np.ndarray], rows: np.ndarray, mesh: Mesh,
+                 batch_size: int) -> dict[str, jax.Array]:
+    """Host arrays for `rows` (as `host_rows`) -> global arrays sharded over the batch axes.
+
+    Each host passes only its own rows; no host ever materialises the full batch."""
+    where = np.full(batch_size, -1)
+    where[rows] = np.arange(len(rows))
+    sharding = batch_sharding(mesh)
+
+    def make(x: np.ndarray) -> jax.Array:
+        def shard(index):
+            return x[where[np.arange(batch_size)[index[0]]]]
+        return jax.make_array_from_callback((batch_size, *x.shape[1:]), sharding, shard)
+
+    return {k: make(np.asarray(v)) for k, v in local.items()}

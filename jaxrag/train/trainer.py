@@ -1,0 +1,257 @@
+"""The sharded training loop shared by pretraining, stage 1 and stage 2.
+
+- State = {"params", "opt", "step"} as pure pytrees, placed with NamedSharding by
+  `jaxrag.sharding` rules (optimizer moments follow their parameter's sharding).
+- Optimiser: gradient clipping + AdamW (no decay on 1-D params) with linear warm-up and
+  linear decay to zero; f32 master weights, compute in the decoder's dtype (bf16 on
+  accelerators with `dtype="auto"`).
+- One jitted step with donated state. The global batch (config `batch_size`) is split into
+  `accumulation_steps` micro-batches scanned in sequence, so the batch is the configured one on
+  any device count; losses are sums divided by the global count, so accumulation is exact.
+- Checkpoints every `checkpoint_every` steps and at the end; a rerun resumes from the latest
+  with the same data order (the order is a function of seed and epoch only). A non-finite loss
+  or gradient stops the run before it is checkpointed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrag import sharding
+from jaxrag.errors import JaxragError
+from jaxrag.models.decoder import Decoder, positions_from_mask
+from jaxrag.train.checkpoint import Checkpoints, abstract_like
+from jaxrag.train.losses import Forward, LossTerms
+from jaxrag.train.metrics import MetricsLogger
+
+Objective = Callable[[Forward, dict], LossTerms]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """One training run's hyper-parameters (a config section plus the step budget)."""
+    name: str
+    batch_size: int  # global, in examples (LM: rows of max_length tokens)
+    lr: float
+    total_steps: int
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # <= 0: no clipping
+    per_device_batch_size: int = 0  # rows per data shard per micro-step; 0 = whole batch at once
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    seed: int = 0
+
+    @classmethod
+    def from_section(cls, name: str, section, total_steps: int, seed: int) -> TrainSpec:
+        fields = {f.name for f in dataclasses.fields(cls)} - {"name", "total_steps", "seed"}
+        return cls(name=name, total_steps=total_steps, seed=seed,
+                   **{k: section[k] for k in fields if k in section})
+
+
+def learning_rate(spec: TrainSpec) -> optax.Schedule:
+    """Linear warm-up over `warmup_ratio` of the steps, then linear decay; never 0 on a step."""
+    total = spec.total_steps
+    warm = int(round(spec.warmup_ratio * total))
+
+    def schedule(step):
+        up = (step + 1) / max(warm, 1) if warm else jnp.inf
+        down = (total - step) / max(total - warm, 1)
+        return spec.lr * jnp.clip(jnp.minimum(up, down), 0.0, 1.0)
+    return schedule
+
+
+def make_optimizer(spec: TrainSpec) -> optax.GradientTransformation:
+    clip = spec.grad_clip if spec.grad_clip > 0 else math.inf
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not norms/biases
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(learning_rate(spec), b1=0.9, b2=0.999, eps=1e-8,
+                                   weight_decay=spec.weight_decay, mask=decay_mask))
+
+
+def accumulation_steps(spec: TrainSpec, mesh) -> int:
+    dp = sharding.data_parallel_size(mesh)
+    micro = spec.per_device_batch_size * dp if spec.per_device_batch_size else spec.batch_size
+    if spec.batch_size % dp or spec.batch_size % micro:
+        raise JaxragError(f"{spec.name}: batch_size {spec.batch_size} must be a multiple of the micro-batch "
+                          f"{micro} (per_device_batch_size {spec.per_device_batch_size} x {dp} data shards)")
+    return spec.batch_size // micro
+
+
+def forward_fn(graphdef, params) -> Forward:
+    model = nnx.merge(graphdef, params)
+    return lambda ids, mask: model(ids, positions_from_mask(mask), mask).logits
+
+
+def loss_and_grads(graphdef, objective: Objective, params: dict, batch: dict) -> tuple[LossTerms, dict]:
+    """Loss terms (sums) and the gradient of `terms.total` w.r.t. params."""
+    def total(p):
+        terms = objective(forward_fn(graphdef, p), batch)
+        return terms.total, terms
+    (_, terms), grads = jax.value_and_grad(total, has_aux=True)(params)
+    return terms, grads
+
+
+def accumulated_grads(graphdef, objective: Objective, params: dict, batch: dict, accum: int, mesh,
+                      params_sh: dict) -> tuple[LossTerms, dict]:
+    """Loss terms and gradients summed over `accum` micro-batches of the global batch [B, ...]."""
+    grads_of = functools.partial(loss_and_grads, graphdef, objective)
+    # Micro-batch k = rows k::accum: each keeps an even share on every data shard (no shuffle).
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def body(carry, mb):
+        mb = jax.lax.with_sharding_constraint(mb, sharding.batch_sharding(mesh))
+        terms, grads = grads_of(params, mb)
+        grads = jax.lax.with_sharding_constraint(grads, params_sh)
+        return jax.tree.map(lambda a, b: a + b.astype(a.dtype), carry, (terms, grads)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(grads_of, params, first))
+    return jax.lax.scan(body, zeros, micro)[0]
+
+
+def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shardings: dict, accum: int):
+    """Jitted (state, batch) -> (state, metrics); `state` is donated."""
+    tx, schedule = make_optimizer(spec), learning_rate(spec)
+
+    def step(state, batch):
+        params = state["params"]
+        terms, grads = accumulated_grads(graphdef, objective, params, batch, accum, mesh, shardings["params"])
+        count = jnp.maximum(terms.count, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
+        updates, opt = tx.update(grads, state["opt"], params)
+        metrics = {"loss": terms.total / count, **{k: v / count for k, v in terms.parts.items()},
+                   "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
+                   "tokens": jnp.sum(batch["mask"]) + jnp.sum(batch.get("rej_mask", jnp.zeros((), bool))),
+                   "truncated": jnp.sum(batch.get("truncated", jnp.zeros(()))),
+                   "sequences": jnp.sum(batch.get("valid", jnp.zeros(())))}
+        return {"params": optax.apply_updates(params, updates), "opt": opt, "step": state["step"] + 1}, metrics
+
+    return jax.jit(step, in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                   out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+
+
+def place(tree, shardings):
+    """Host or single-device arrays -> global arrays; each device reads only its own slice."""
+    def put(x, s):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+    return jax.tree.map(put, tree, shardings)
+
+
+def state_shardings(decoder: Decoder, spec: TrainSpec, mesh) -> tuple[dict, dict]:
+    """(abstract state, shardings) for {"params", "opt", "step"}."""
+    params_sh = sharding.param_shardings(mesh, decoder)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(decoder)))
+    tx, rep = make_optimizer(spec), sharding.replicated(mesh)
+    opt = jax.eval_shape(tx.init, params)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt, params_sh, transform_non_params=lambda _: rep,
+                                   is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    abstract = {"params": params, "opt": opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    return abstract, {"params": params_sh, "opt": opt_sh, "step": rep}
+
+
+def fit(decoder: Decoder, data, objective: Objective, spec: TrainSpec, workdir: Path, mesh,
+        fingerprint: dict) -> dict:
+    """Trains from `decoder`'s weights (or resumes from workdir/checkpoints); returns the final
+    params (pure dict of global arrays). `data` is a RecordData / TextData."""
+    workdir = Path(workdir)
+    accum = accumulation_steps(spec, mesh)
+    graphdef, _ = nnx.split(decoder)
+    abstract, shardings = state_shardings(decoder, spec, mesh)
+    ckpt = Checkpoints(workdir / "checkpoints", spec.keep_checkpoints)
+    start = ckpt.latest_step()
+    if start is None:
+        params = place(nnx.to_pure_dict(nnx.state(decoder)), shardings["params"])
+        opt = jax.jit(make_optimizer(spec).init, out_shardings=shardings["opt"])(params)
+        state = {"params": params, "opt": opt, "step": place(np.int32(0), shardings["step"])}
+        meta = {"epoch": 0, "batch": 0, "truncated": 0, "sequences": 0, "fingerprint": fingerprint}
+    else:
+        state, meta = ckpt.restore(start, abstract_like(abstract, shardings))
+        if meta["fingerprint"] != fingerprint:
+            raise JaxragError(f"{ckpt.directory}: checkpoints are from a different run ({meta['fingerprint']}) "
+                              f"than this one ({fingerprint}); use a fresh workdir")
+    step_fn = make_train_step(graphdef, objective, spec, mesh, shardings, accum)
+    loop = _Loop(spec, ckpt, MetricsLogger(workdir, spec.name, spec.total_steps, start or 0), meta)
+    rows = sharding.host_rows(mesh, spec.batch_size)
+    step, order = start or 0, data.order(meta["epoch"], spec.batch_size)
+    try:
+        while step < spec.total_steps:
+            if meta["batch"] >= len(order):
+                meta["epoch"], meta["batch"] = meta["epoch"] + 1, 0
+                order = data.order(meta["epoch"], spec.batch_size)
+                continue
+            local = data.rows(order[meta["batch"]][rows], meta["epoch"])
+            state, metrics = step_fn(state, sharding.global_batch(local, rows, mesh, spec.batch_size))
+            step, meta["batch"] = step + 1, meta["batch"] + 1
+            loop.dispatched(step, metrics, state, meta)
+        loop.finish()
+    finally:
+        loop.close()
+    return state["params"]
+
+
+class _Loop:
+    """Host side of the loop: reads each step's metrics one step late (so the host prepares the
+    next batch while the device computes), checks them, logs, and checkpoints good states."""
+
+    def __init__(self, spec: TrainSpec, ckpt: Checkpoints, logger: MetricsLogger, meta: dict):
+        self.spec, self.ckpt, self.logger, self.meta = spec, ckpt, logger, meta
+        self.pending: list[tuple[int, dict]] = []
+        self.window_tokens, self.window_start = 0.0, time.perf_counter()
+
+    def dispatched(self, step: int, metrics: dict, state: dict, meta: dict) -> None:
+        self.pending.append((step, metrics))
+        save = step % self.spec.checkpoint_every == 0 or step == self.spec.total_steps
+        while len(self.pending) > (0 if save else 1):
+            self._consume(*self.pending.pop(0))
+        if save:  # every step up to this one was checked: the state is good
+            self.ckpt.save(step, state, dict(meta))
+
+    def _consume(self, step: int, metrics: dict) -> None:
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        truncated, sequences, tokens = m.pop("truncated"), m.pop("sequences"), m.pop("tokens")
+        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+            self.logger.log(step, m)
+            self.ckpt.wait()
+            last = self.ckpt.latest_step()
+            where = f"step {last} in {self.ckpt.directory}" if last is not None else "none (no step was saved)"
+            raise JaxragError(f"{self.spec.name}: loss {m['loss']} / grad norm {m['grad_norm']} at step {step}: "
+                              f"training stopped. The last good checkpoint is {where}; lower the learning "
+                              "rate or check the data, then rerun to resume from it.")
+        self.meta["truncated"] += int(truncated)  # running totals, reported at the end
+        self.meta["sequences"] += int(sequences)
+        self.window_tokens += tokens
+        self.logger.advance()
+        if step % self.spec.log_every == 0 or step == self.spec.total_steps:
+            now = time.perf_counter()
+            m["tokens_per_s"] = self.window_tokens / max(now - self.window_start, 1e-9)
+            m["epoch"] = self.meta["epoch"]
+            if self.meta["sequences"]:
+                m["truncated_total"] = self.meta["truncated"]
+            self.logger.log(step, m)
+            self.window_tokens, self.window_start = 0.0, now
+
+    def finish(self) -> None:
+        while self.pending:
+            self._consume(*self.pending.pop(0))
+        if self.meta["sequences"]:
+            self.logger.message(f"knowledge truncated in {self.meta['truncated']} of {self.meta['sequences']} "
+                                "training sequences to fit max_length")
+
+    def close(self) -> None:
+        self.ckpt.wait()
+        self.ckpt.close()
+        self.logger.close()
