@@ -8,12 +8,21 @@ from collections.abc import Callable
 from jaxrag.errors import JaxragError
 
 
-def run(main: Callable[[], object]) -> None:
+def exit_code(main: Callable[[], object]) -> int:
+    """Runs `main`; 0 on success, 2 with one `error:` line for a JaxragError, 130 on Ctrl-C."""
     try:
         main()
     except JaxragError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
     except KeyboardInterrupt:
-        print("interrupted: nothing was written at the output path", file=sys.stderr)
-        sys.exit(130)
+        print("interrupted: nothing half-written was kept", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run(main: Callable[[], object]) -> None:
+    """`exit_code`, exiting the process on failure."""
+    code = exit_code(main)
+    if code:
+        sys.exit(code)

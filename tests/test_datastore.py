@@ -124,12 +124,12 @@ def test_cli_inspect_add_remove_relabel(datastore, tmp_path, capsys):
 
 def test_cli_errors_are_one_line(datastore, tmp_path, capsys):
     path = str(tmp_path / "ds")
-    assert main(["remove", path, "nope"]) == 1
-    assert main(["relabel", path, "q1", "--source", "web"]) == 1
-    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    assert main(["remove", path, "nope"]) == 2
+    assert main(["relabel", path, "q1", "--source", "web"]) == 2
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("error: ") for line in err)
     assert "no entry with question id 'nope'" in err[0] and "unknown source 'web'" in err[1]
     proc = subprocess.run([sys.executable, "-m", "jaxrag.datastore", "remove", path, "nope"],
                           capture_output=True, text=True)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "nope" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nope" in proc.stderr

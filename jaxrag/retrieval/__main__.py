@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from jaxrag.errors import JaxragError
+from jaxrag.cli import exit_code
 
 
 def _params(args, auto_storage: str = "auto"):
@@ -92,12 +92,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        args.func(args)
-    except JaxragError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_code(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from jaxrag.cli import exit_code
 from jaxrag.errors import JaxragError
 from jaxrag.retrieval.datastore import DEFAULT_K, PolicyDatastore
 
@@ -143,9 +143,4 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        args.func(args)
-    except JaxragError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_code(lambda: args.func(args))
