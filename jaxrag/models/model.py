@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 import transformers
@@ -148,7 +149,7 @@ def add_special_tokens(model: Model, sources: Sequence[str] = DEFAULT_SOURCES) -
     cfg = model.config
     new_vocab = max(cfg.vocab_size, max(ids) + 1)
     new_cfg = dataclasses.replace(cfg, vocab_size=new_vocab)
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.decoder)))
+    params = host_params(model.decoder)
     params["embed"] = params["embed"][: cfg.vocab_size]
     if "lm_head" in params:
         params["lm_head"] = params["lm_head"][:, : cfg.vocab_size]
@@ -163,20 +164,34 @@ def add_special_tokens(model: Model, sources: Sequence[str] = DEFAULT_SOURCES) -
 
 @contextmanager
 def atomic_dir(out: Path):
-    """Yields a temp dir beside `out`; renames it to `out` only if the block succeeds."""
+    """Yields a temp dir beside `out`; renames it to `out` only if the block succeeds.
+
+    On a multi-host run every process gets the same temp dir (orbax writes params from all of
+    them); process 0 alone renames it, after all processes are done."""
     out = Path(out)
     if out.exists():
         raise JaxragError(f"{out}: already exists (refusing to overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    multihost = jax.process_count() > 1
+    if multihost:
+        tmp = out.with_name(f".{out.name}.tmp-shared")
+        tmp.mkdir(exist_ok=True)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
-        tmp.rename(out)
+        if multihost:
+            multihost_utils.sync_global_devices(f"jaxrag:write:{out}")
+        if jax.process_index() == 0:
+            tmp.rename(out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if jax.process_index() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_hf_side_files(model: Model, out: Path, weights_dtype: str) -> None:
+    if jax.process_index() != 0:
+        return
     hf_config = copy.deepcopy(model.hf_config)
     # transformers >= 5 names it `dtype`, 4.x `torch_dtype`: the dtype from_pretrained loads in.
     setattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", weights_dtype)
@@ -199,7 +214,8 @@ def save_model(model: Model, out) -> Path:
             ckptr.save(tmp / PARAMS_DIR, state)
         meta = {"format": "jaxrag", "sources": list(model.sources),
                 "special_tokens": {t: model.token_id(t) for t in srrag_tokens(model.sources)} if model.sources else {}}
-        (tmp / JAXRAG_META).write_text(json.dumps(meta, indent=2))
+        if jax.process_index() == 0:
+            (tmp / JAXRAG_META).write_text(json.dumps(meta, indent=2))
     return Path(out)
 
 
@@ -213,13 +229,23 @@ def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
         raise JaxragError(f"{params_dir}: cannot restore params ({e})") from None
 
 
+def host_params(decoder: Decoder) -> dict:
+    """Params as host numpy arrays, gathered from every process when sharded across hosts."""
+    def gather(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+    return jax.tree.map(gather, nnx.to_pure_dict(nnx.state(decoder)))
+
+
 def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> Path:
     """A Hugging Face directory `AutoModelForCausalLM.from_pretrained` loads with no missing keys."""
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.decoder)))
+    params = host_params(model.decoder)
     tensors = hf.params_to_hf(params, model.config)
     if dtype is not None:
         tensors = {k: v.astype(jnp.dtype(dtype)) for k, v in tensors.items()}
     with atomic_dir(out) as tmp:
         _write_hf_side_files(model, tmp, str(next(iter(tensors.values())).dtype))
-        hf.write_hf_tensors(tensors, tmp, max_shard_bytes)
+        if jax.process_index() == 0:
+            hf.write_hf_tensors(tensors, tmp, max_shard_bytes)
     return Path(out)
