@@ -211,7 +211,7 @@ def save_model(model: Model, out) -> Path:
         _write_hf_side_files(model, tmp, model.config.param_dtype)
         state = nnx.to_pure_dict(nnx.state(model.decoder))
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / PARAMS_DIR, state)
+            ckptr.save((tmp / PARAMS_DIR).absolute(), state)
         meta = {"format": "jaxrag", "sources": list(model.sources),
                 "special_tokens": {t: model.token_id(t) for t in srrag_tokens(model.sources)} if model.sources else {}}
         if jax.process_index() == 0:
