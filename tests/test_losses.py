@@ -4,11 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_fixtures import tiny_model, toy_record, toy_records
 
 from jaxrag.models.tokens import EOK, source_token
+from jaxrag.prompts import answer_prefix_ids
 from jaxrag.train import losses
-from jaxrag.train.batches import RecordData, answer_prefix_ids, as_records
-from train_fixtures import tiny_model, toy_record, toy_records
+from jaxrag.train.batches import RecordData, as_records
 
 RNG = np.random.default_rng(0)
 

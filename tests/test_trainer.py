@@ -13,12 +13,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from train_fixtures import tiny_model, toy_record, toy_records, train_config
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import EOK
+from jaxrag.prompts import prompt_text
 from jaxrag.train import stages
-from jaxrag.train.batches import RecordData, as_records, prompt_text, read_records
-from train_fixtures import tiny_model, toy_record, toy_records, train_config
+from jaxrag.train.batches import RecordData, as_records, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Self routing lets a model verbalize what it knows.",
