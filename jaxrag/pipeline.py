@@ -29,11 +29,17 @@ def is_embedded(cfg: ConfigDict) -> bool:
     return not cfg.model.path
 
 
-def world_stage(cfg: ConfigDict, workdir: Path) -> Path:
-    from jaxrag.data.world import WorldConfig, generate_world, write_world
+def _world(cfg: ConfigDict):
+    """The embedded world (pure function of the config: cheap to regenerate in any stage)."""
+    from jaxrag.data.world import WorldConfig, generate_world
 
-    world_cfg = WorldConfig(**{"seed": int(cfg.seed), **cfg.world.to_dict()})
-    return write_world(generate_world(world_cfg), workdir / "world")
+    return generate_world(WorldConfig(**{"seed": int(cfg.seed), **cfg.world.to_dict()}))
+
+
+def world_stage(cfg: ConfigDict, workdir: Path) -> Path:
+    from jaxrag.data.world import write_world
+
+    return write_world(_world(cfg), workdir / "world")
 
 
 def _tiny_model(cfg: ConfigDict, workdir: Path):
@@ -61,11 +67,10 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
     if not is_embedded(cfg):
         model = add_special_tokens(load_model(cfg.model.path, dtype=cfg.model.dtype), cfg.model.sources)
         return save_model(model, out)
-    from jaxrag.data.world import WorldConfig, generate_world
     from jaxrag.eval.probe import probe_world_knowledge
     from jaxrag.train.stages import train_lm
 
-    world = generate_world(WorldConfig(**{"seed": int(cfg.seed), **cfg.world.to_dict()}))
+    world = _world(cfg)
     model = train_lm(_tiny_model(cfg, workdir), world.pretraining_texts, cfg, workdir / "base_train")
     metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions))
     save_model(model, out)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxrag.decode.sampler import bucket, left_pad
 from jaxrag.models.decoder import Decoder, positions_from_mask
+from jaxrag.train.losses import token_logprobs
 
 
 class Scores(NamedTuple):
@@ -24,12 +25,9 @@ class Scores(NamedTuple):
 
 
 @nnx.jit
-def token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array) -> jax.Array:
+def sequence_token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array) -> jax.Array:
     """ids/mask [batch, seq] -> [batch, seq] log p(ids[:, t] | ids[:, :t]); column 0 is 0."""
-    logits = decoder(ids, positions_from_mask(mask), mask).logits
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    picked = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-    return jnp.pad(picked, ((0, 0), (1, 0)))
+    return token_logprobs(decoder(ids, positions_from_mask(mask), mask).logits, ids)
 
 
 def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
@@ -44,7 +42,7 @@ def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence
         rows = [list(p) + list(t) for p, t in zip(prefixes[start:start + batch_size], targets[start:start + batch_size])]
         length = bucket(max(len(r) for r in rows))
         ids, mask = left_pad(rows, length, bucket(len(rows), 1))
-        logp = np.asarray(token_logprobs(decoder, jnp.asarray(ids), jnp.asarray(mask)))
+        logp = np.asarray(sequence_token_logprobs(decoder, jnp.asarray(ids), jnp.asarray(mask)))
         for i, target in enumerate(targets[start:start + batch_size]):
             tok = logp[i, length - len(target):] if len(target) else np.zeros(0, np.float32)
             per_token.append(tok)
