@@ -23,7 +23,7 @@ from jaxrag.decode.sampler import (SamplingParams, batch_rows, bucket, decode, e
                                    on_mesh, stop_matrix)
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
-from jaxrag.models.tokens import EOK, source_token
+from jaxrag.models.tokens import EOK, SELF, source_token
 from jaxrag.policies import Policy, PolicyInputs
 from jaxrag.prompts import answer_prefix_ids, join_passages, knowledge_ids, prompt_ids
 
@@ -108,7 +108,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         ids, mask = left_pad([[src_ids[sources.index(s)]] for s in chosen], 1, batch)
         st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
-        budget[:n] = [cfg.max_verbal_tokens if s != "wiki" else 0 for s in chosen]
+        budget[:n] = [cfg.max_verbal_tokens if s == SELF else 0 for s in chosen]
         return decode(dec, st, on_mesh(stop_matrix([[eok]], batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
 
@@ -116,7 +116,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     verbal, verbal_len, verbal_stopped = map(np.asarray, (verbal, verbal_len, verbal_stopped))
 
     # T_r: one batched retrieval call for the Wiki rows.
-    wiki_rows = [i for i, s in enumerate(chosen) if s == "wiki"]
+    wiki_rows = [i for i, s in enumerate(chosen) if s != SELF]  # every other source is retrieved
     start = time.perf_counter()
     found = retrieve([questions[i] for i in wiki_rows]) if wiki_rows else []
     t_r = time.perf_counter() - start
@@ -143,7 +143,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     out = []
     n_self = max(1, n - len(wiki_rows))
     for i, q in enumerate(questions):
-        if chosen[i] == "wiki":
+        if chosen[i] != SELF:
             knowledge, phase = join_passages(passages[i]), {"T_r": t_r / len(wiki_rows)}
         else:
             knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok]).strip()

@@ -8,7 +8,8 @@ from tokenizers import AddedToken
 
 EOQ = "<EOQ>"
 EOK = "<EOK>"
-DEFAULT_SOURCES = ("wiki", "self")
+SELF = "self"  # the model itself as knowledge source; every other source is retrieved
+DEFAULT_SOURCES = ("wiki", SELF)
 
 
 def source_token(source: str) -> str:

@@ -31,10 +31,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxrag.errors import JaxragError
-from jaxrag.models.tokens import source_token
+from jaxrag.models.tokens import SELF, source_token
 from jaxrag.prompts import answer_ids, answer_prefix_ids, knowledge_ids, prompt_ids
 
-SELF = "self"  # the model itself as knowledge source; every other source is retrieved
 
 
 @dataclasses.dataclass(frozen=True)
