@@ -112,6 +112,14 @@ def param_shardings(mesh: Mesh, module: nnx.Module) -> dict:
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def place(tree, shardings):
+    """Host or single-device arrays -> global arrays; each device reads only its own slice."""
+    def put(x, s):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+    return jax.tree.map(put, tree, shardings)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension over data x fsdp; other dimensions replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))

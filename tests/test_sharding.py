@@ -85,7 +85,7 @@ def check_sharded_equals_unsharded(model, batch_rows):
         batch = sharding.global_batch({k: v[rows] for k, v in batch_rows.items()}, rows, mesh, 8)
         fn = jax.jit(functools.partial(trainer.loss_and_grads, graphdef, objective),
                      out_shardings=(sharding.replicated(mesh), psh))
-        placed = trainer.place(params, psh)
+        placed = sharding.place(params, psh)
         terms, grads = fn(placed, batch)
         return jax.device_get(terms), grads, placed, batch
 
@@ -108,7 +108,7 @@ def check_accumulation(model, batch_rows):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     graphdef, state = nnx.split(model.decoder)
     psh = sharding.param_shardings(mesh, model.decoder)
-    params = trainer.place(nnx.to_pure_dict(state), psh)
+    params = sharding.place(nnx.to_pure_dict(state), psh)
     rows = sharding.host_rows(mesh, 16)
     batch = sharding.global_batch({k: v[rows] for k, v in batch_rows.items()}, rows, mesh, 16)
     out = {}

@@ -159,8 +159,7 @@ def shard_decoder(decoder: Decoder, mesh) -> Decoder:
     from jaxrag import sharding
 
     graphdef, state = nnx.split(decoder)
-    shardings = sharding.param_shardings(mesh, decoder)
-    placed = jax.tree.map(jax.device_put, nnx.to_pure_dict(state), shardings)
+    placed = sharding.place(nnx.to_pure_dict(state), sharding.param_shardings(mesh, decoder))
     nnx.replace_by_pure_dict(state, placed)
     return nnx.merge(graphdef, state)
 
@@ -180,9 +179,9 @@ def on_mesh(array, mesh):
     """Host array -> device array, split over the mesh's batch axes when there is a mesh."""
     if mesh is None:
         return jnp.asarray(array)
-    from jaxrag.sharding import batch_sharding
+    from jaxrag.sharding import batch_sharding, place
 
-    return jax.device_put(array, batch_sharding(mesh))
+    return place(np.asarray(array), batch_sharding(mesh))
 
 
 def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,

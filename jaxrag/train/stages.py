@@ -29,7 +29,7 @@ from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model, load_model, save_model
 from jaxrag.train import losses
 from jaxrag.train.batches import RecordData, TextData, as_records
-from jaxrag.train.trainer import TrainSpec, accumulation_steps, fit, forward_fn, place
+from jaxrag.train.trainer import TrainSpec, accumulation_steps, fit, forward_fn
 
 FINAL = "model"
 REF_LOGPROBS = "ref_logprobs.npy"
@@ -124,7 +124,7 @@ def reference_logprobs(ref_model: Model, data: RecordData, mesh, batch_size: int
     """[n, 2] float32: the frozen reference's log p(c_i+|q), log p(c_i-|q) per record (0 for
     non-Self records), computed once in record order with the training mesh."""
     graphdef, state = nnx.split(ref_model.decoder)
-    params = place(nnx.to_pure_dict(state), sharding.param_shardings(mesh, ref_model.decoder))
+    params = sharding.place(nnx.to_pure_dict(state), sharding.param_shardings(mesh, ref_model.decoder))
     fn = jax.jit(lambda p, b: losses.verbalization_logprobs(forward_fn(graphdef, p), b),
                  out_shardings=sharding.replicated(mesh))
     order = np.pad(np.arange(len(data)), (0, -len(data) % batch_size), constant_values=-1).reshape(-1, batch_size)

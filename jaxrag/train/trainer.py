@@ -143,14 +143,6 @@ def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shard
                    out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
 
 
-def place(tree, shardings):
-    """Host or single-device arrays -> global arrays; each device reads only its own slice."""
-    def put(x, s):
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
-    return jax.tree.map(put, tree, shardings)
-
-
 def state_shardings(decoder: Decoder, spec: TrainSpec, mesh) -> tuple[dict, dict]:
     """(abstract state, shardings) for {"params", "opt", "step"}."""
     params_sh = sharding.param_shardings(mesh, decoder)
@@ -174,9 +166,9 @@ def fit(decoder: Decoder, data, objective: Objective, spec: TrainSpec, workdir: 
     ckpt = Checkpoints(workdir / "checkpoints", spec.keep_checkpoints)
     start = ckpt.latest_step()
     if start is None:
-        params = place(nnx.to_pure_dict(nnx.state(decoder)), shardings["params"])
+        params = sharding.place(nnx.to_pure_dict(nnx.state(decoder)), shardings["params"])
         opt = jax.jit(make_optimizer(spec).init, out_shardings=shardings["opt"])(params)
-        state = {"params": params, "opt": opt, "step": place(np.int32(0), shardings["step"])}
+        state = {"params": params, "opt": opt, "step": sharding.place(np.int32(0), shardings["step"])}
         meta = {"epoch": 0, "batch": 0, "truncated": 0, "sequences": 0, "fingerprint": fingerprint}
     else:
         state, meta = ckpt.restore(start, abstract_like(abstract, shardings))
