@@ -163,3 +163,21 @@ def test_dpo_gradient_vanishes_at_the_reference(model):
     same = dict(jb, rej_ids=jb["ids"], rej_mask=jb["mask"], rej_verb=jb["verb"], ref_rejected=lp_c)
     gc, gr = dpo_grads(jnp.asarray(lc), jnp.asarray(lc), same, 0.3)
     assert float(jnp.abs(gc + gr).max()) == 0.0
+
+
+def test_pack_documents_keeps_every_document_whole_and_fills_rows():
+    from jaxrag.train.batches import pack_documents
+
+    rng = np.random.default_rng(0)
+    docs = [list(range(1000 * i, 1000 * i + n)) for i, n in enumerate(rng.integers(5, 120, 300))]
+    docs.append(list(range(900_000, 900_300)))  # longer than a row: split into 128 + 128 + 44
+    packed = pack_documents(docs, 128, np.random.default_rng(1))
+    tokens = packed[packed >= 0]
+    assert sorted(tokens.tolist()) == sorted(t for d in docs for t in d)  # each once, nothing lost
+    for doc in docs[:-1]:  # whole and contiguous within one row
+        row, col = np.argwhere(packed == doc[0])[0]
+        assert packed[row, col:col + len(doc)].tolist() == doc
+    greedy_rows, used = 1, 0  # in-order greedy packing, for comparison
+    for n in [len(d[i:i + 128]) for d in docs for i in range(0, len(d), 128)]:
+        greedy_rows, used = (greedy_rows, used + n) if used + n <= 128 else (greedy_rows + 1, n)
+    assert len(packed) < 0.9 * greedy_rows and tokens.size / packed.size > 0.95
