@@ -92,6 +92,7 @@ def tiny_config(family: str) -> ConfigDict:
     cfg.mesh.update(data=-1, fsdp=1)
     cfg.retrieval.encoder = "minilm"  # all-MiniLM-L6-v2 from the offline package
     cfg.world = ConfigDict({k: v for k, v in dataclasses.asdict(WorldConfig()).items() if k != "seed"})
+    cfg.world.seed = cfg.get_ref("seed")  # `--config.world.seed=N` and `--config.seed=N` are one field
     cfg.world_probe = ConfigDict(dict(questions=100))  # per popularity bucket
     # The base model's whole education: 400 steps x 8 x 256 = 0.8M tokens of world text (small
     # batches: more updates per token, which is what a model this far from convergence needs).

@@ -11,6 +11,8 @@ its own checkpoints or shards (`jaxrag.pipeline_srrag`, `jaxrag.eval.methods`).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -26,7 +28,7 @@ def _world(cfg: ConfigDict):
     """The embedded world (pure function of the config: cheap to regenerate in any stage)."""
     from jaxrag.data.world import WorldConfig, generate_world
 
-    return generate_world(WorldConfig(**{"seed": int(cfg.seed), **cfg.world.to_dict()}))
+    return generate_world(WorldConfig(**cfg.world.to_dict()))
 
 
 def world_stage(cfg: ConfigDict, workdir: Path) -> Path:
@@ -64,7 +66,7 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
     from jaxrag.train.stages import train_lm
 
     world = _world(cfg)
-    model = train_lm(_tiny_model(cfg, workdir), world.pretraining_texts, cfg, workdir / "base_train")
+    model = train_lm(_tiny_model(cfg, workdir), world.pretraining_documents, cfg, workdir / "base_train")
     metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions))
     save_model(model, out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
@@ -107,10 +109,20 @@ def gold_passage_recall(cfg: ConfigDict, workdir: Path, index_dir: Path) -> dict
 
 
 def export_stage(cfg: ConfigDict, workdir: Path) -> Path:
-    """The final SR-RAG model (stage 2) in Hugging Face format."""
+    """The final SR-RAG model (stage 2) in Hugging Face format, with what routing needs beside
+    the weights (`jaxrag.serve`: policy datastore, the validation-tuned tau, k, index)."""
     from jaxrag.models.model import export_hf, load_model
+    from jaxrag.pipeline_srrag import route_config
+    from jaxrag.serve import write_serving_files
 
-    return export_hf(load_model(workdir / "stage2" / "model"), workdir / "export")
+    out, partial = workdir / "export", workdir / ".export.partial"
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted export
+    export_hf(load_model(workdir / "stage2" / "model"), partial)
+    tau = json.loads((workdir / "results.json").read_text())["config"]["thresholds"]["srrag"]
+    write_serving_files(partial, workdir / "datastore", tau=tau, k=int(cfg.inference.k), route_cfg=route_config(cfg),
+                        index_dir=workdir / "index", encoder=cfg.retrieval.encoder)
+    os.replace(partial, out)
+    return out
 
 
 def _stages():

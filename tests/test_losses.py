@@ -171,9 +171,11 @@ def test_pack_documents_keeps_every_document_whole_and_fills_rows():
     rng = np.random.default_rng(0)
     docs = [list(range(1000 * i, 1000 * i + n)) for i, n in enumerate(rng.integers(5, 120, 300))]
     docs.append(list(range(900_000, 900_300)))  # longer than a row: split into 128 + 128 + 44
-    packed = pack_documents(docs, 128, np.random.default_rng(1))
+    masks = [[bool(t % 3) for t in d] for d in docs]  # a loss mask that travels with its tokens
+    packed, loss = pack_documents(list(zip(docs, masks)), 128, np.random.default_rng(1))
     tokens = packed[packed >= 0]
     assert sorted(tokens.tolist()) == sorted(t for d in docs for t in d)  # each once, nothing lost
+    np.testing.assert_array_equal(loss, (packed >= 0) & (packed % 3 != 0))
     for doc in docs[:-1]:  # whole and contiguous within one row
         row, col = np.argwhere(packed == doc[0])[0]
         assert packed[row, col:col + len(doc)].tolist() == doc
@@ -181,3 +183,16 @@ def test_pack_documents_keeps_every_document_whole_and_fills_rows():
     for n in [len(d[i:i + 128]) for d in docs for i in range(0, len(d), 128)]:
         greedy_rows, used = (greedy_rows, used + n) if used + n <= 128 else (greedy_rows + 1, n)
     assert len(packed) < 0.9 * greedy_rows and tokens.size / packed.size > 0.95
+
+
+def test_text_data_scores_only_the_completion_of_instruction_documents(tiny_hf):
+    from jaxrag.train.batches import TextData
+
+    tok = tiny_hf("qwen2")[2].tokenizer
+    docs = ["plain text is scored everywhere", ("Question: who? Answer:", " Ada")]
+    data = TextData(docs, tok, 64, seed=0)
+    batch = data.rows(np.arange(len(data.epoch_rows(0))), 0)
+    scored = [int(t) for t, m in zip(batch["ids"].ravel(), batch["loss_mask"].ravel()) if m]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    want = tok(docs[0])["input_ids"] + eos + tok(" Ada", add_special_tokens=False)["input_ids"] + eos
+    assert sorted(scored) == sorted(want)

@@ -5,17 +5,22 @@ final model's logits, `stop_after`, and a rerun that skips finished stages."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import nbformat
 import numpy as np
 import pytest
 import torch
 import transformers
+from nbclient import NotebookClient
 
 import jaxrag
 from jaxrag import pipeline
 from jaxrag.errors import JaxragError
 from jaxrag.config import tiny_config
+
+REPO = Path(__file__).parent.parent
 
 MINI_WORLD = dict(num_persons=60, num_cities=30, num_companies=30, num_bands=20, num_rivers=6,
                   num_event_passages=10, nq_size=20, fever_size=12, obqa_size=8, arc_easy_size=6, wow_size=12,
@@ -39,11 +44,44 @@ def mini_config():
     return cfg
 
 
+def _flat(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def mini_overrides() -> dict:
+    """mini_config as flattened overrides of the tiny config (notebook / command-line form)."""
+    tiny = dict(_flat(tiny_config("qwen2").to_dict()))
+    return {k: v for k, v in _flat(mini_config().to_dict()) if tiny[k] != v}
+
+
+def run_notebook(name: str, params: dict, cwd: Path) -> nbformat.NotebookNode:
+    """Executes colab/NAME.ipynb headless with `params` injected after its parameters cell."""
+    nb = nbformat.read(REPO / "colab" / f"{name}.ipynb", as_version=4)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in params.items())))
+    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
+def outputs(nb) -> str:
+    return "".join(o.get("text", "") + "".join(map(str, o.get("data", {}).values()))
+                   for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def quickstart(tmp_path_factory):
+    """The quickstart notebook runs the pipeline; every test below checks what it left."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
-    pipeline.run(mini_config(), out)
-    return out
+    return out, run_notebook("quickstart", {"WORKDIR": str(out), "OVERRIDES": mini_overrides()}, out.parent)
+
+
+@pytest.fixture(scope="module")
+def workdir(quickstart):
+    return quickstart[0]
 
 
 def test_every_stage_leaves_its_artifact(workdir):
@@ -109,6 +147,76 @@ def test_stop_after_stops(tmp_path, capsys):
 def test_paper_config_without_weights_stops_at_once(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxrag.train", "--config", "configs/qwen.py",
                            "--workdir", str(tmp_path / "w"), "--config.model.path=/nonexistent/qwen"],
-                          capture_output=True, text=True, cwd=str(Path(__file__).parent.parent))
+                          capture_output=True, text=True, cwd=str(REPO))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--config.model.path" in proc.stderr and "/nonexistent/qwen" in proc.stderr
+
+
+def test_quickstart_notebook_shows_the_results_table_and_plots(quickstart):
+    _, nb = quickstart
+    text = outputs(nb)
+    assert "[10/10] export" in text and "srrag_no_kv_label" in text and "acc=" in text
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) == len(list((quickstart[0] / "plots").glob("*.png"))) >= 2
+
+
+def test_inference_notebook_routes_questions_from_the_export(workdir):
+    nb = run_notebook("inference", {"EXPORT": str(workdir / "export")}, workdir.parent)
+    text = outputs(nb)
+    assert text.count("source: <") == 8 and text.count("p_D: wiki=") == 8 and "T_g=" in text
+    assert "Qwen2ForCausalLM" in text and "'<Wiki>', '<Self>'" in text
+
+
+def test_export_serves_sr_rag_with_the_evaluated_tau(workdir):
+    from jaxrag.serve import SRRAG
+
+    results = json.loads((workdir / "results.json").read_text())
+    system = SRRAG.load(workdir / "export")
+    assert system.tau == results["config"]["thresholds"]["srrag"] and system.k == 3
+    assert len(system.datastore) == len(jaxrag.pipeline_srrag.construct_records(workdir))
+    routed = system.ask(["Which city is the birthplace of Kou?"])
+    r = routed[0]
+    want = "wiki" if r.p_model[0] * r.p_datastore[0] > system.tau else "self"
+    assert r.source == want and set(r.latency) >= {"T_d", "T_g"}
+
+
+def test_notebooks_are_committed_without_outputs():
+    for path in sorted((REPO / "colab").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, path.name
+                compile(cell.source, path.name, "exec")  # tpu_train.ipynb needs a TPU: at least it parses
+    assert {p.stem for p in (REPO / "colab").glob("*.ipynb")} == {"quickstart", "inference", "tpu_train"}
+
+
+def _without_timings(obj):
+    if isinstance(obj, dict):
+        return {k: _without_timings(v) for k, v in obj.items() if "latency" not in k}
+    if isinstance(obj, list):
+        return [_without_timings(v) for v in obj]
+    return obj
+
+
+def test_killed_runs_rerun_to_the_same_results(workdir, tmp_path):
+    """kill -9 during three different stages, then a clean rerun: results.json equals the
+    uninterrupted run's (timings aside), and no temp files are left behind."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxrag.train", "--config", "configs/qwen.py:tiny", "--workdir", str(out),
+           *(f"--config.{k}={v}" for k, v in mini_overrides().items())]
+    for stage, delay in (("base", 2.0), ("construct", 8.0), ("baselines", 10.0)):
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for line in proc.stdout:
+            if f"] {stage}: running" in line:
+                break
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        assert not (out / "results.json").exists()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    want = json.loads((workdir / "results.json").read_text())
+    got = json.loads((out / "results.json").read_text())
+    assert _without_timings(got) == _without_timings(want)
+    assert not list(out.glob(".*tmp*")) and not list(out.glob(".*partial"))

@@ -29,7 +29,7 @@ from jaxrag.data.world_entities import (
     make_pools,
     template_words,
 )
-from jaxrag.data.world_pretrain import pretraining_parts, reading_comprehension
+from jaxrag.data.world_pretrain import Document, document_text, pretraining_parts, reading_comprehension
 
 
 @dataclass(frozen=True)
@@ -122,15 +122,20 @@ class World:
         return {name: {split: list(examples) for split, examples in splits.items()}
                 for name, splits in self.splits.items()}
 
-    def pretraining_parts(self, epoch: int) -> dict[str, list[str]]:
-        """One epoch of pretraining text by kind: bio, rule, qa, verbalize, rc."""
+    def pretraining_parts(self, epoch: int) -> dict[str, list[Document]]:
+        """One epoch of pretraining documents by kind: bio, rule (text); qa, verbalize, rc
+        (`(prompt, completion)`: the loss is on the completion)."""
         return pretraining_parts(self, epoch)
 
-    def pretraining_texts(self, epoch: int) -> list[str]:
+    def pretraining_documents(self, epoch: int) -> list[Document]:
         """One epoch of pretraining documents, all kinds shuffled together."""
-        texts = [t for part in self.pretraining_parts(epoch).values() for t in part]
-        random.Random(f"{self.config.seed}:shuffle:{epoch}").shuffle(texts)
-        return texts
+        docs = [d for part in self.pretraining_parts(epoch).values() for d in part]
+        random.Random(f"{self.config.seed}:shuffle:{epoch}").shuffle(docs)
+        return docs
+
+    def pretraining_texts(self, epoch: int) -> list[str]:
+        """`pretraining_documents` as plain text."""
+        return [document_text(d) for d in self.pretraining_documents(epoch)]
 
     def reading_comprehension(self, seed: int, n: int) -> list[QAExample]:
         """`n` fresh reading-comprehension examples (new entities, random values) for `seed`;

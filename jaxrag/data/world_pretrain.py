@@ -22,7 +22,18 @@ RC_KINDS = {"fact": 0.55, "claim": 0.15, "dialogue": 0.1, "rule": 0.12, "rule_cl
 RULE_FORMS = ("open", "easy", "challenge", "claim")
 
 
-def pretraining_parts(world, epoch: int) -> dict[str, list[str]]:
+# A pretraining document: plain text (loss on every token) or an instruction-format example
+# `(prompt, completion)` with the loss on the completion only, as in instruction tuning: in a
+# reading-comprehension example the ~150 passage tokens are unpredictable noise that would
+# otherwise drown the one answer token the copying skill is learnt from.
+Document = str | tuple[str, str]
+
+
+def document_text(doc: Document) -> str:
+    return doc if isinstance(doc, str) else "".join(doc)
+
+
+def pretraining_parts(world, epoch: int) -> dict[str, list[Document]]:
     rng = random.Random(f"{world.config.seed}:pretrain:{epoch}")
     names = NameMaker(rng, world.reserved_words())
     examples = reading_comprehension(world, world.config.rc_docs_per_epoch, names, rng)
@@ -36,12 +47,12 @@ def pretraining_parts(world, epoch: int) -> dict[str, list[str]]:
     }
 
 
-def closed_book_text(question: str, answer: str) -> str:
-    return f"{base_prompt_text(question)} {answer}"
+def closed_book_text(question: str, answer: str) -> tuple[str, str]:
+    return base_prompt_text(question), f" {answer}"
 
 
-def knowledge_text(question: str, passages: list[str], answer: str) -> str:
-    return f"{base_prompt_text(question, passages)} {answer}"
+def knowledge_text(question: str, passages: list[str], answer: str) -> tuple[str, str]:
+    return base_prompt_text(question, passages), f" {answer}"
 
 
 def bio(entity: Entity, rng: random.Random) -> str:
@@ -71,7 +82,7 @@ def rule_texts(world, names: NameMaker, rng: random.Random) -> list[str]:
     return [" ".join(sentences[i:i + 6]) for i in range(0, len(sentences), 6)]
 
 
-def closed_book_texts(world, names: NameMaker, rng: random.Random) -> list[str]:
+def closed_book_texts(world, names: NameMaker, rng: random.Random) -> list[tuple[str, str]]:
     texts = []
     for entity, attribute in world.pretrain_qa_facts():
         for _ in range(world.config.pretrain_qa_repeats):
@@ -87,7 +98,7 @@ def closed_book_texts(world, names: NameMaker, rng: random.Random) -> list[str]:
     return texts
 
 
-def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[str]:
+def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tuple[str, str]]:
     """A question followed by a knowledge document written from memory, so a base model can
     verbalize knowledge (SR-RAG's <Self> path, GenRead in data construction)."""
     texts = []
@@ -104,9 +115,9 @@ def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[str
     return texts
 
 
-def verbalized(question: str, document: str, answer: str, rng: random.Random) -> str:
+def verbalized(question: str, document: str, answer: str, rng: random.Random) -> tuple[str, str]:
     if rng.random() < 0.5:
-        return f"{genread_prompt_text(question)} {document}"
+        return genread_prompt_text(question), f" {document}"
     return knowledge_text(question, [document], answer)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from jaxrag.data.world_pretrain import document_text
 from jaxrag.models.tokens import add_srrag_tokens
 from jaxrag.prompts import GENREAD_PROMPT
 
@@ -30,7 +31,7 @@ def tokenizer_training_texts(world) -> list[str]:
         for examples in splits.values():
             texts += [f"{e.prompt_question()} {' '.join(e.golden_answers)}" for e in examples]
     for name, part in parts.items():
-        texts += part[:RC_DOCS_FOR_TRAINING] if name == "rc" else part
+        texts += [document_text(d) for d in (part[:RC_DOCS_FOR_TRAINING] if name == "rc" else part)]
     pools = " ".join(" ".join(p) for p in world.pools.values())
     return [*texts, GENREAD_PROMPT, *[pools] * POOL_REPEATS]
 

@@ -28,7 +28,7 @@ from flax import nnx
 from jaxrag.errors import JaxragError
 from jaxrag.models import hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, positions_from_mask, resolve_dtype
-from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, srrag_tokens
+from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, sources_in_tokenizer, srrag_tokens
 
 JAXRAG_META = "jaxrag.json"  # marks a jaxrag checkpoint: sources, token ids, dtypes
 PARAMS_DIR = "params"
@@ -131,7 +131,7 @@ def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32") ->
         params = _restore_params(model_dir / PARAMS_DIR, cfg)
         return Model(_build(cfg, params), tokenizer, hf_config, tuple(meta["sources"]))
     params = hf.hf_to_params(hf.read_hf_tensors(model_dir, cfg), cfg, resolve_dtype(param_dtype))
-    return Model(_build(cfg, pad_vocab(params, cfg)), tokenizer, hf_config)
+    return Model(_build(cfg, pad_vocab(params, cfg)), tokenizer, hf_config, sources_in_tokenizer(tokenizer))
 
 
 def add_special_tokens(model: Model, sources: Sequence[str] = DEFAULT_SOURCES) -> Model:

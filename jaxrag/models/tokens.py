@@ -40,3 +40,13 @@ def add_srrag_tokens(tokenizer, sources: Sequence[str] = DEFAULT_SOURCES) -> lis
         special_tokens=True,
     )
     return [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+
+
+def sources_in_tokenizer(tokenizer) -> tuple[str, ...]:
+    """The sources whose tokens a tokenizer carries (an exported SR-RAG model), in token order:
+    `add_srrag_tokens` adds `<EOQ>`, the source tokens, `<EOK>` as consecutive ids."""
+    added = tokenizer.get_added_vocab()
+    if EOQ not in added or EOK not in added:
+        return ()
+    between = sorted((i, t) for t, i in added.items() if added[EOQ] < i < added[EOK])
+    return tuple(t[1:-1].lower() for _, t in between if t.startswith("<") and t.endswith(">"))

@@ -234,49 +234,64 @@ class RecordData:
         return {"ids": ids, "mask": mask, **seg}
 
 
-def pack_documents(docs: list[list[int]], max_length: int, rng: np.random.Generator) -> np.ndarray:
-    """Best-fit-decreasing packing into [n_rows, max_length] (-1 = padding, masked out of the
-    loss): a document never straddles two rows unless it is longer than one (then it is split),
-    so a question and its answer are seen together; ~99% of slots are real tokens, where greedy
-    in-order packing of the world's mix fills ~86%. Rows, and documents within a row, are shuffled."""
-    pieces = [doc[i:i + max_length] for doc in docs for i in range(0, len(doc), max_length)]
+def pack_documents(docs: list[tuple[list[int], list[bool]]], max_length: int,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit-decreasing packing of (token ids, loss mask) documents into [n_rows, max_length]
+    ids (-1 = padding) and loss masks: a document never straddles two rows unless it is longer
+    than one (then it is split), so a question and its answer are seen together; ~99% of slots are
+    real tokens, where greedy in-order packing of the world's mix fills ~86%. Rows, and documents
+    within a row, are shuffled."""
+    pieces = [(ids[i:i + max_length], mask[i:i + max_length]) for ids, mask in docs
+              for i in range(0, len(ids), max_length)]
     free: list[tuple[int, int]] = []  # (free slots, row index), sorted
-    rows: list[list[list[int]]] = []
-    for piece in sorted(pieces, key=len, reverse=True):
-        at = bisect.bisect_left(free, (len(piece), -1))
+    rows: list[list[tuple[list[int], list[bool]]]] = []
+    for piece in sorted(pieces, key=lambda p: len(p[0]), reverse=True):
+        size = len(piece[0])
+        at = bisect.bisect_left(free, (size, -1))
         if at == len(free):
             rows.append([piece])
-            bisect.insort(free, (max_length - len(piece), len(rows) - 1))
+            bisect.insort(free, (max_length - size, len(rows) - 1))
             continue
         room, row = free.pop(at)
         rows[row].append(piece)
-        bisect.insort(free, (room - len(piece), row))
+        bisect.insort(free, (room - size, row))
     packed = np.full((len(rows), max_length), -1, np.int32)
+    loss = np.zeros((len(rows), max_length), bool)
     for i, r in enumerate(rng.permutation(len(rows))):
-        row = [tok for j in rng.permutation(len(rows[r])) for tok in rows[r][j]]
+        order = [rows[r][j] for j in rng.permutation(len(rows[r]))]
+        row = [t for ids, _ in order for t in ids]
         packed[i, :len(row)] = row
-    return packed
+        loss[i, :len(row)] = [m for _, mask in order for m in mask]
+    return packed, loss
 
 
 class TextData:
-    """Plain-text LM data: each epoch's documents (`texts` or `texts(epoch)`), each ending in EOS,
-    packed into [max_length] rows by `pack_documents`."""
+    """LM data: each epoch's documents (`texts` or `texts(epoch)`), each ending in EOS, packed
+    into [max_length] rows by `pack_documents`. A document is text (every token is a target) or
+    `(prompt, completion)` (only the completion and EOS are: instruction-format examples)."""
 
-    def __init__(self, texts: Sequence[str] | Callable[[int], Sequence[str]], tokenizer, max_length: int, seed: int):
+    def __init__(self, texts: Sequence | Callable[[int], Sequence], tokenizer, max_length: int, seed: int):
         self.texts, self.tok, self.max_length, self.seed = texts, tokenizer, max_length, seed
-        self._epoch, self._rows = None, None
+        self._epoch, self._rows, self._loss = None, None, None
         self.where = "pretraining texts"
+
+    def _document(self, doc) -> tuple[list[int], list[bool]]:
+        eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
+        prompt, completion = (doc, "") if isinstance(doc, str) else doc
+        p = self.tok(prompt, add_special_tokens=True)["input_ids"]
+        c = self.tok(completion, add_special_tokens=False)["input_ids"] if completion else []
+        scored = isinstance(doc, str)
+        return p + c + eos, [scored] * len(p) + [True] * (len(c) + len(eos))
 
     def epoch_rows(self, epoch: int) -> np.ndarray:
         """[n_rows, max_length] token ids of one epoch, -1 = padding (cached for the current epoch)."""
         if self._epoch != epoch:
-            texts = list(self.texts(epoch) if callable(self.texts) else self.texts)
-            if not texts:
+            docs = list(self.texts(epoch) if callable(self.texts) else self.texts)
+            if not docs:
                 raise JaxragError(f"{self.where}: empty dataset (epoch {epoch})")
-            docs = self.tok(texts, add_special_tokens=True)["input_ids"]
-            eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
-            packed = pack_documents([d + eos for d in docs], self.max_length, np.random.default_rng([self.seed, epoch]))
-            self._epoch, self._rows = epoch, packed
+            rng = np.random.default_rng([self.seed, epoch])
+            self._rows, self._loss = pack_documents([self._document(d) for d in docs], self.max_length, rng)
+            self._epoch = epoch
         return self._rows
 
     def order(self, epoch: int, batch_size: int) -> np.ndarray:
@@ -290,4 +305,4 @@ class TextData:
     def rows(self, indices: np.ndarray, epoch: int) -> dict[str, np.ndarray]:
         ids = self.epoch_rows(epoch)[indices]
         real = ids >= 0
-        return {"ids": np.where(real, ids, 0), "mask": real, "loss_mask": real.astype(np.float32)}
+        return {"ids": np.where(real, ids, 0), "mask": real, "loss_mask": self._loss[indices].astype(np.float32)}
