@@ -34,15 +34,15 @@ from jaxrag.data.world_pretrain import Document, document_text, pretraining_part
 
 @dataclass(frozen=True)
 class WorldConfig:
-    """Sizes are for a ~3.5M-parameter model pretrained on a 2-core CPU in minutes: one epoch
-    of `pretraining_texts` is ~0.42M tokens (world tokenizer), so 3-5 epochs make the
-    1-2M-token budget; ~60% of it is reading comprehension."""
+    """Sizes are for a ~3M-parameter model pretrained on a 2-core CPU in ~8 minutes: one epoch
+    of `pretraining_texts` is ~0.12M tokens (world tokenizer), so the 1.2M-token budget is ~10
+    epochs, which a head entity's facts need to be recalled (~60+ bios each)."""
 
     seed: int = 0
-    num_persons: int = 800
-    num_cities: int = 300
-    num_companies: int = 300
-    num_bands: int = 200
+    num_persons: int = 300
+    num_cities: int = 100
+    num_companies: int = 100
+    num_bands: int = 80
     num_countries: int = 16
     num_rivers: int = 30
     num_science_categories: int = 12
@@ -62,22 +62,22 @@ class WorldConfig:
     rule_misleading_rate: float = 0.4  # ... or a wrong one (else it says nothing)
     # Corpus and pretraining.
     passage_words: int = 100
-    num_event_passages: int = 200
+    num_event_passages: int = 60
     rule_mentions: int = 12
-    rule_qa_per_epoch: int = 600
-    rc_docs_per_epoch: int = 1000
+    rule_qa_per_epoch: int = 200
+    rc_docs_per_epoch: int = 400
     rc_max_passages: int = 2
     rc_extra_passage_prob: float = 0.3
     # Datasets: train-split sizes of the training mixture; eval sets get validation + test.
-    nq_size: int = 400
-    fever_size: int = 240
-    obqa_size: int = 160
-    arc_easy_size: int = 120
-    wow_size: int = 240
-    asqa_size: int = 80
+    nq_size: int = 120
+    fever_size: int = 70
+    obqa_size: int = 40
+    arc_easy_size: int = 30
+    wow_size: int = 60
+    asqa_size: int = 20
     validation_fraction: float = 0.05
-    eval_validation_size: int = 40
-    eval_test_size: int = 200
+    eval_validation_size: int = 30
+    eval_test_size: int = 100
     vocab_size: int = 4096  # before the SR-RAG tokens; every answer value is one token
 
 
