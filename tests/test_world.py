@@ -163,7 +163,7 @@ def test_popularity_is_zipf_and_buckets_follow_mentions(world):
                     else "torso" if e.mentions else "tail")
         assert e.bucket == expected
     head = sum(e.bucket == "head" for e in base)
-    assert 150 <= head <= 400  # enough popular facts for every dataset's head share
+    assert 0.1 * len(base) <= head <= 0.3 * len(base)  # a popular head (~15% at Zipf 1.5), not a few stars
 
 
 def test_eval_sets_mirror_their_originals(world):
