@@ -120,7 +120,8 @@ def export_stage(cfg: ConfigDict, workdir: Path) -> Path:
     export_hf(load_model(workdir / "stage2" / "model"), partial)
     tau = json.loads((workdir / "results.json").read_text())["config"]["thresholds"]["srrag"]
     write_serving_files(partial, workdir / "datastore", tau=tau, k=int(cfg.inference.k), route_cfg=route_config(cfg),
-                        index_dir=workdir / "index", encoder=cfg.retrieval.encoder)
+                        index_dir=workdir / "index", encoder=cfg.retrieval.encoder,
+                        n_passages=int(cfg.retrieval.n_passages))
     os.replace(partial, out)
     return out
 

@@ -30,12 +30,12 @@ DATASTORE_DIR = "policy_datastore"
 
 
 def write_serving_files(export_dir: Path, datastore_dir: Path, *, tau: float, k: int, route_cfg: RouteConfig,
-                        index_dir: Path, encoder: str | None) -> None:
+                        index_dir: Path, encoder: str | None, n_passages: int) -> None:
     """Adds the datastore copy and `srrag.json` to an export directory (still being built)."""
     shutil.copytree(datastore_dir, export_dir / DATASTORE_DIR)
     rc = dataclasses.asdict(route_cfg)
     rc.pop("sampling")  # greedy, as evaluated
-    spec = {"tau": float(tau), "k": int(k), "route": rc,
+    spec = {"tau": float(tau), "k": int(k), "route": rc, "n_passages": int(n_passages),
             "index": str(Path(index_dir).resolve()), "encoder": encoder}
     (export_dir / SERVING_FILE).write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
 
@@ -47,7 +47,7 @@ def read_serving_spec(export_dir: Path) -> dict:
                           "(a bare checkpoint routes only with an explicit datastore, tau and index)")
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
-        missing = [f for f in ("tau", "k", "route", "index") if f not in spec]
+        missing = [f for f in ("tau", "k", "route", "n_passages", "index") if f not in spec]
     except (json.JSONDecodeError, TypeError) as e:
         raise JaxragError(f"{path}: not valid JSON ({e})") from None
     if missing:
@@ -65,6 +65,7 @@ class SRRAG:
     tau: float
     k: int
     route_cfg: RouteConfig
+    n_passages: int
 
     @classmethod
     def load(cls, export_dir: str | os.PathLike, *, index: str | os.PathLike | None = None,
@@ -79,15 +80,15 @@ class SRRAG:
         return cls(model=load_model(export_dir), datastore=PolicyDatastore.load(export_dir / DATASTORE_DIR),
                    retriever=Retriever.load(index or spec["index"], spec.get("encoder")),
                    tau=float(spec["tau"] if tau is None else tau), k=int(spec["k"] if k is None else k),
-                   route_cfg=RouteConfig(**spec["route"]))
+                   route_cfg=RouteConfig(**spec["route"]), n_passages=int(spec["n_passages"]))
 
-    def ask(self, questions: Sequence[str], *, n_passages: int = 5) -> list[Routed]:
+    def ask(self, questions: Sequence[str]) -> list[Routed]:
         """Routes, verbalizes or retrieves, and answers the questions (one batch, one pass)."""
         from jaxrag.policies.srrag import srrag_policy
 
         policy = srrag_policy(lambda keys: self.datastore.neighbour_labels(np.asarray(keys, np.float32), self.k),
                               self.tau)
-        return route(self.model, list(questions), policy, lambda qs: self.retriever.retrieve_texts(qs, n_passages),
+        return route(self.model, list(questions), policy, lambda qs: self.retriever.retrieve_texts(qs, self.n_passages),
                      self.route_cfg)
 
 

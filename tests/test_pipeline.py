@@ -172,7 +172,7 @@ def test_export_serves_sr_rag_with_the_evaluated_tau(workdir):
 
     results = json.loads((workdir / "results.json").read_text())
     system = SRRAG.load(workdir / "export")
-    assert system.tau == results["config"]["thresholds"]["srrag"] and system.k == 3
+    assert system.tau == results["config"]["thresholds"]["srrag"] and system.k == 3 and system.n_passages == 2
     assert len(system.datastore) == len(jaxrag.pipeline_srrag.construct_records(workdir))
     routed = system.ask(["Which city is the birthplace of Kou?"])
     r = routed[0]
