@@ -11,8 +11,6 @@ its own checkpoints or shards (`jaxrag.pipeline_srrag`, `jaxrag.eval.methods`).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -115,15 +113,14 @@ def export_stage(cfg: ConfigDict, workdir: Path) -> Path:
     from jaxrag.pipeline_srrag import route_config
     from jaxrag.serve import write_serving_files
 
-    out, partial = workdir / "export", workdir / ".export.partial"
-    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted export
-    export_hf(load_model(workdir / "stage2" / "model"), partial)
     tau = json.loads((workdir / "results.json").read_text())["config"]["thresholds"]["srrag"]
-    write_serving_files(partial, workdir / "datastore", tau=tau, k=int(cfg.inference.k), route_cfg=route_config(cfg),
-                        index_dir=workdir / "index", encoder=cfg.retrieval.encoder,
-                        n_passages=int(cfg.retrieval.n_passages))
-    os.replace(partial, out)
-    return out
+
+    def serving_files(out: Path) -> None:
+        write_serving_files(out, workdir / "datastore", tau=tau, k=int(cfg.inference.k), route_cfg=route_config(cfg),
+                            index_dir=workdir / "index", encoder=cfg.retrieval.encoder,
+                            n_passages=int(cfg.retrieval.n_passages))
+
+    return export_hf(load_model(workdir / "stage2" / "model"), workdir / "export", extra=serving_files)
 
 
 def _stages():

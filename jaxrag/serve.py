@@ -20,8 +20,6 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from jaxrag.decode.routing import RouteConfig, Routed, route
 from jaxrag.errors import JaxragError
 
@@ -84,10 +82,9 @@ class SRRAG:
 
     def ask(self, questions: Sequence[str]) -> list[Routed]:
         """Routes, verbalizes or retrieves, and answers the questions (one batch, one pass)."""
-        from jaxrag.policies.srrag import srrag_policy
+        from jaxrag.policies.srrag import datastore_neighbours, srrag_policy
 
-        policy = srrag_policy(lambda keys: self.datastore.neighbour_labels(np.asarray(keys, np.float32), self.k),
-                              self.tau)
+        policy = srrag_policy(datastore_neighbours(self.datastore, self.k), self.tau)
         return route(self.model, list(questions), policy, lambda qs: self.retriever.retrieve_texts(qs, self.n_passages),
                      self.route_cfg)
 

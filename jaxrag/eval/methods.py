@@ -36,10 +36,7 @@ from jaxrag.pipeline_srrag import (
     route_config,
 )
 from jaxrag.policies import srrag as srrag_policies
-
-
-def _neighbours(datastore, k: int):
-    return lambda keys: datastore.neighbour_labels(np.asarray(keys, np.float32), k)
+from jaxrag.policies.srrag import datastore_neighbours as neighbours
 
 
 class Evaluation:
@@ -101,14 +98,14 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
     srrag_test = ev.split(srrag)[1]
     ev.add("srrag_always_rag", srrag_test, harness.constant(srrag_test, True), table2=False)
     datastore = PolicyDatastore.load(workdir / "datastore")
-    taus["srrag"] = ev.thresholded("srrag", srrag_policies.srrag_policy(_neighbours(datastore, k), 0.0), srrag, bs)
+    taus["srrag"] = ev.thresholded("srrag", srrag_policies.srrag_policy(neighbours(datastore, k), 0.0), srrag, bs)
     taus["srrag_no_knn"] = ev.thresholded("srrag_no_knn", srrag_policies.srrag_policy(None, 0.0), srrag, bs)
     for method, model_dir, store in (
             ("srrag_no_dpo", workdir / "stage1" / FINAL, workdir / "baselines" / "no_dpo_datastore"),
             ("srrag_no_kv_label", workdir / "baselines" / "no_kv_label" / FINAL,
              workdir / "baselines" / "no_kv_label_datastore")):
         paths = harness.routed_paths(load(cfg, model_dir), items, retrieve, rc, bs, f"{method} paths")
-        policy = srrag_policies.srrag_policy(_neighbours(PolicyDatastore.load(store), k), 0.0)
+        policy = srrag_policies.srrag_policy(neighbours(PolicyDatastore.load(store), k), 0.0)
         taus[method] = ev.thresholded(method, policy, paths, bs)
 
     taus.update(seed_methods(cfg, workdir, base, r.encoder, srrag, ev))

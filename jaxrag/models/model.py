@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -241,8 +241,10 @@ def host_params(decoder: Decoder) -> dict:
     return jax.tree.map(gather, nnx.to_pure_dict(nnx.state(decoder)))
 
 
-def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None) -> Path:
-    """A Hugging Face directory `AutoModelForCausalLM.from_pretrained` loads with no missing keys."""
+def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
+              extra: Callable[[Path], None] | None = None) -> Path:
+    """A Hugging Face directory `AutoModelForCausalLM.from_pretrained` loads with no missing keys.
+    `extra(dir)` adds files beside the HF ones (process 0, before the directory appears)."""
     params = host_params(model.decoder)
     tensors = hf.params_to_hf(params, model.config)
     if dtype is not None:
@@ -251,4 +253,6 @@ def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | 
         _write_hf_side_files(model, tmp, str(next(iter(tensors.values())).dtype))
         if jax.process_index() == 0:
             hf.write_hf_tensors(tensors, tmp, max_shard_bytes)
+            if extra is not None:
+                extra(tmp)
     return Path(out)

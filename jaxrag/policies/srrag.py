@@ -13,6 +13,11 @@ from jaxrag.policies import Policy, PolicyDecision, PolicyInputs
 Neighbours = Callable[[np.ndarray], np.ndarray]
 
 
+def datastore_neighbours(datastore, k: int) -> Neighbours:
+    """A `PolicyDatastore`'s k nearest labels as the policy's `neighbours`."""
+    return lambda keys: datastore.neighbour_labels(np.asarray(keys, np.float32), k)
+
+
 def policy_distribution(neighbour_labels: np.ndarray, n_sources: int) -> np.ndarray:
     """p_D(<s> | q) = share of the k nearest neighbours labelled s. [batch, k] -> [batch, n_sources]."""
     counts = np.stack([(neighbour_labels == s).sum(axis=1) for s in range(n_sources)], axis=1)

@@ -275,13 +275,14 @@ class TextData:
         self._epoch, self._rows, self._loss = None, None, None
         self.where = "pretraining texts"
 
-    def _document(self, doc) -> tuple[list[int], list[bool]]:
+    def _documents(self, docs: list) -> list[tuple[list[int], list[bool]]]:
+        """(ids + EOS, loss mask) per document, tokenized in two batched calls."""
         eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
-        prompt, completion = (doc, "") if isinstance(doc, str) else doc
-        p = self.tok(prompt, add_special_tokens=True)["input_ids"]
-        c = self.tok(completion, add_special_tokens=False)["input_ids"] if completion else []
-        scored = isinstance(doc, str)
-        return p + c + eos, [scored] * len(p) + [True] * (len(c) + len(eos))
+        pairs = [(d, "") if isinstance(d, str) else d for d in docs]
+        prompts = self.tok([p for p, _ in pairs], add_special_tokens=True)["input_ids"]
+        completions = self.tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+        return [(p + c + eos, [isinstance(d, str)] * len(p) + [True] * (len(c) + len(eos)))
+                for d, p, c in zip(docs, prompts, completions)]
 
     def epoch_rows(self, epoch: int) -> np.ndarray:
         """[n_rows, max_length] token ids of one epoch, -1 = padding (cached for the current epoch)."""
@@ -290,7 +291,7 @@ class TextData:
             if not docs:
                 raise JaxragError(f"{self.where}: empty dataset (epoch {epoch})")
             rng = np.random.default_rng([self.seed, epoch])
-            self._rows, self._loss = pack_documents([self._document(d) for d in docs], self.max_length, rng)
+            self._rows, self._loss = pack_documents(self._documents(docs), self.max_length, rng)
             self._epoch = epoch
         return self._rows
 
