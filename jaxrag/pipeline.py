@@ -92,17 +92,19 @@ def index_stage(cfg: ConfigDict, workdir: Path) -> Path:
 
 
 def gold_passage_recall(cfg: ConfigDict, workdir: Path, index_dir: Path) -> dict[str, float]:
-    """recall@n_passages of each evaluation question's gold passage (embedded world)."""
+    """recall@k of each evaluation question's gold passage (embedded world), for k = 5 and the
+    number of passages the model reads (`retrieval.n_passages`)."""
     from jaxrag.retrieval.retriever import Retriever
 
     retriever = Retriever.load(index_dir, cfg.retrieval.encoder)
-    k, recall = int(cfg.retrieval.n_passages), {}
+    ks, recall = sorted({5, int(cfg.retrieval.n_passages)}), {}
     for name in cfg.data.eval:
         examples = [e for _, e in dataset_items(cfg, workdir, [name], "test") if e.metadata.get("gold_passage_id")]
         if examples:
-            hits = retriever.search([e.question for e in examples], k)
-            found = [e.metadata["gold_passage_id"] in {h.passage.id for h in hs} for e, hs in zip(examples, hits)]
-            recall[f"{name}@{k}"] = sum(found) / len(found)
+            hits = retriever.search([e.question for e in examples], max(ks))
+            for k in ks:
+                found = [e.metadata["gold_passage_id"] in {h.passage.id for h in hs[:k]} for e, hs in zip(examples, hits)]
+                recall[f"{name}@{k}"] = sum(found) / len(found)
     return recall
 
 

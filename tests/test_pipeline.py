@@ -38,7 +38,8 @@ def mini_config():
     cfg.world_probe.questions = 3
     cfg.retrieval.n_passages = 2
     cfg.construct.update(n_contexts=2, verbalize_max_tokens=8, kmeans_clusters=2, demos_per_cluster=1)
-    cfg.stage1.batch_size = cfg.stage2.batch_size = 4
+    cfg.stage1.update(batch_size=4, epochs=1)
+    cfg.stage2.update(batch_size=4, epochs=1)
     cfg.inference.update(batch_size=8, k=3, max_answer_tokens=4, max_knowledge_tokens=96)
     cfg.baselines.update(seakr_samples=2, max_train_questions=20, ik_answer_tokens=4)
     return cfg
@@ -90,7 +91,9 @@ def test_every_stage_leaves_its_artifact(workdir):
     probe = json.loads((workdir / "base" / "metrics.json").read_text())
     assert probe["n_popular"] == 3 and 0.0 <= probe["closed_book_popular"] <= 1.0
     recall = json.loads((workdir / "index" / "retrieval_metrics.json").read_text())
-    assert set(recall) == {"popqa@2", "triviaqa@2", "pubhealth@2", "arc_challenge@2"}
+    assert set(recall) == {f"{name}@{k}" for name in ("popqa", "triviaqa", "pubhealth", "arc_challenge")
+                           for k in (2, 5)}
+    assert all(recall[f"{name}@2"] <= recall[f"{name}@5"] for name in ("popqa", "arc_challenge"))
     assert all(0.0 <= v <= 1.0 for v in recall.values())
     assert not list(workdir.glob(".*tmp*")) and not (workdir / "index.building").exists()
     assert (workdir / "construct" / "stats.json").is_file()

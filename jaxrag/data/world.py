@@ -35,8 +35,8 @@ from jaxrag.data.world_pretrain import Document, document_text, pretraining_part
 @dataclass(frozen=True)
 class WorldConfig:
     """Sizes are for a ~3M-parameter model pretrained on a 2-core CPU in ~8 minutes: one epoch
-    of `pretraining_texts` is ~0.12M tokens (world tokenizer), so the 1.2M-token budget is ~10
-    epochs, which a head entity's facts need to be recalled (~60+ bios each)."""
+    of `pretraining_texts` is ~0.12M tokens (world tokenizer), so the 2.5M-token budget is ~20
+    epochs, which a head entity's facts need to be recalled (~120+ bios each)."""
 
     seed: int = 0
     num_persons: int = 300
