@@ -62,6 +62,33 @@ def test_batched_rows_equal_separate_runs(model, datastore):
         assert r.knowledge_truncated == (r.source == "self")  # 6 tokens never reach <EOK> here
 
 
+def test_every_row_stops_at_its_stop_token(model):
+    """Make row 2's greedy first answer token the EOS: that row's answer ends there, empty, while
+    the other rows are unaffected (a stop list that only reached row 0 let rows 1.. run on)."""
+    import copy
+    import dataclasses
+
+    from jaxrag.decode.sampler import generate
+    from jaxrag.models.tokens import source_token
+    from jaxrag.prompts import answer_prefix_ids, knowledge_ids
+
+    tok = model.tokenizer
+    before = route(model, QUESTIONS, always("wiki"), retrieve, CFG)
+    row2 = (prompt_ids(tok, [QUESTIONS[2]])[0] + [model.token_id(source_token("wiki"))]
+            + knowledge_ids(tok, retrieve(QUESTIONS[2:3]))[0] + answer_prefix_ids(tok))
+    first = generate(model.decoder, [row2], 1)[0][0]
+    stopping = copy.deepcopy(tok)
+    # The fixture's decoder vocabulary is larger than its tokenizer's: name ids up to `first`.
+    stopping.add_tokens([f"<unused{i}>" for i in range(len(stopping), first + 1)])
+    stopping.eos_token = stopping.convert_ids_to_tokens(first)
+    assert stopping.eos_token_id == first
+    after = route(dataclasses.replace(model, tokenizer=stopping), QUESTIONS, always("wiki"), retrieve, CFG)
+    assert before[2].answer and after[2].answer == ""
+    for i in (0, 1, 3):
+        if first not in tok(before[i].answer, add_special_tokens=False)["input_ids"]:
+            assert after[i].answer == before[i].answer
+
+
 def test_crossing_tau_switches_route(model):
     q = [QUESTIONS[0]]
     always_wiki = lambda hidden: np.zeros((len(hidden), 4), int)  # noqa: E731  all neighbours say wiki

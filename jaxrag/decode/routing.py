@@ -111,7 +111,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
         budget[:n] = [cfg.max_verbal_tokens if s == SELF else 0 for s in chosen]
-        return decode(dec, st, on_mesh(stop_matrix([[eok]], batch), mesh), on_mesh(budget, mesh),
+        return decode(dec, st, on_mesh(stop_matrix([[eok]] * n, batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
 
     (state, verbal, verbal_len, verbal_stopped), t_v = _timed(verbalize)
@@ -137,7 +137,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
         budget[:n] = cfg.max_answer_tokens
-        return decode(dec, st, on_mesh(stop_matrix([eos], batch), mesh), on_mesh(budget, mesh),
+        return decode(dec, st, on_mesh(stop_matrix([eos] * n, batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 1), max_new=alen, sampling=cfg.sampling)
 
     (_, answers, answer_len, _), t_g = _timed(answer_phase)

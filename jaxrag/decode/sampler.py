@@ -147,6 +147,7 @@ def left_pad(rows: Sequence[Sequence[int]], length: int, batch: int, pad_id: int
 
 
 def stop_matrix(stops: Sequence[Sequence[int]], batch: int) -> np.ndarray:
+    """[batch, width] stop ids: row i stops on `stops[i]`; rows past len(stops) never stop."""
     width = max([1, *(len(s) for s in stops)])
     out = np.full((batch, width), NO_TOKEN, np.int32)
     for i, s in enumerate(stops):
