@@ -24,7 +24,7 @@ from jaxrag.models.decoder import Decoder
 from jaxrag.models.hf import decoder_config
 from jaxrag.train import losses, trainer
 
-VOCAB = 4096 + 4  # the world tokenizer's vocabulary + SR-RAG tokens
+VOCAB = 5120 + 4  # the world tokenizer's vocabulary + SR-RAG tokens
 
 
 HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
