@@ -20,11 +20,13 @@ from flax import nnx
 
 from jaxrag import sharding
 from jaxrag.config import tiny_config
+from jaxrag.data.world import WorldConfig
 from jaxrag.models.decoder import Decoder
 from jaxrag.models.hf import decoder_config
+from jaxrag.models.tokens import srrag_tokens
 from jaxrag.train import losses, trainer
 
-VOCAB = 5120 + 4  # the world tokenizer's vocabulary + SR-RAG tokens
+VOCAB = WorldConfig().vocab_size + len(srrag_tokens())  # the world tokenizer's vocabulary
 
 
 HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",

@@ -1,14 +1,19 @@
 """SR-RAG routed inference: batched rows equal separate runs; tau flips routes; truncation."""
 
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 
 from jaxrag.decode.routing import RouteConfig, route
+from jaxrag.decode.sampler import generate
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import add_special_tokens
+from jaxrag.models.tokens import source_token
 from jaxrag.policies import always
 from jaxrag.policies.srrag import choose_source, policy_distribution, srrag_policy
-from jaxrag.prompts import prompt_ids
+from jaxrag.prompts import answer_prefix_ids, knowledge_ids, prompt_ids
 
 QUESTIONS = ["who wrote the novel?", "where is the fox?", "what does retrieval read?", "who is lazy?"]
 LABELS = {0: "wiki", 1: "self", 2: "wiki", 3: "self"}
@@ -65,13 +70,6 @@ def test_batched_rows_equal_separate_runs(model, datastore):
 def test_every_row_stops_at_its_stop_token(model):
     """Make row 2's greedy first answer token the EOS: that row's answer ends there, empty, while
     the other rows are unaffected (a stop list that only reached row 0 let rows 1.. run on)."""
-    import copy
-    import dataclasses
-
-    from jaxrag.decode.sampler import generate
-    from jaxrag.models.tokens import source_token
-    from jaxrag.prompts import answer_prefix_ids, knowledge_ids
-
     tok = model.tokenizer
     before = route(model, QUESTIONS, always("wiki"), retrieve, CFG)
     row2 = (prompt_ids(tok, [QUESTIONS[2]])[0] + [model.token_id(source_token("wiki"))]

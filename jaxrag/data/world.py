@@ -78,7 +78,7 @@ class WorldConfig:
     validation_fraction: float = 0.05
     eval_validation_size: int = 30
     eval_test_size: int = 100
-    vocab_size: int = 5120  # before the SR-RAG tokens: every answer value one token (at 4096, 8 were split)
+    vocab_size: int = 5120  # before the SR-RAG tokens; every answer value is one token (4096 split 8)
 
 
 @dataclass(frozen=True, eq=False)
