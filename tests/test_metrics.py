@@ -6,6 +6,7 @@ import pytest
 
 from jaxrag.data.schema import QAExample
 from jaxrag.errors import JaxragError
+from jaxrag.eval.probe import answer_scores
 from jaxrag.eval.metrics import (
     auroc,
     dataset_accuracy,
@@ -147,3 +148,12 @@ def test_source_selection_accuracy_and_auroc():
     assert math.isnan(auroc([1, 1], [0.2, 0.7]))  # one class: undefined
     with pytest.raises(JaxragError):
         source_selection_accuracy([True], verbalized, retrieved_scores)
+
+
+def test_probe_answer_scores_by_hand():
+    answers = ["Paris is big", "the Rome", "", "Oslo."]
+    golds = ["paris", "Rome", "Bern", "Lima"]
+    passages = ["It lies near Paris.", "Nothing here.", "Bern.", "Oslo and Lima are cities."]
+    # accuracy: paris, rome (article dropped) = 2/4; first word in passage: paris, oslo = 2/4
+    assert answer_scores(answers, golds, passages) == {"accuracy": 0.5, "from_passage": 0.5}
+    assert answer_scores(answers, golds) == {"accuracy": 0.5}

@@ -3,7 +3,9 @@ held-out questions about popular and about tail entities, and accuracy with the 
 context (issue: popular >= 0.8, tail <= 0.3, tail with the gold passage >= 0.8).
 
 Prompts are the base model's (`prompts.base_prompt_text`), as in pretraining; an answer counts
-when its normalized text starts with the normalized gold value.
+when its normalized text starts with the normalized gold value. `gold_passage_*_from_passage`
+is the fraction of answers whose first word occurs in the gold passage: it tells a model that
+reads but picks the wrong word (high) from one that ignores the passage (= accuracy).
 """
 
 from __future__ import annotations
@@ -18,14 +20,25 @@ EVAL_SETS = ("popqa", "triviaqa")
 BUCKETS = {"head": "popular", "tail": "tail"}
 
 
-def _accuracy(model, prompts: list[str], golds: list[str], batch_size: int = 32) -> float:
-    tok, correct = model.tokenizer, 0
+def _answers(model, prompts: list[str], batch_size: int = 32) -> list[str]:
+    tok, answers = model.tokenizer, []
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     for start in range(0, len(prompts), batch_size):
         ids = base_prompt_ids(tok, prompts[start:start + batch_size])
-        for out, gold in zip(generate(model.decoder, ids, 6, stop_ids=eos), golds[start:start + batch_size]):
-            correct += normalize_answer(tok.decode(out, skip_special_tokens=True)).startswith(normalize_answer(gold))
-    return correct / max(1, len(prompts))
+        answers += [tok.decode(out, skip_special_tokens=True) for out in generate(model.decoder, ids, 6, stop_ids=eos)]
+    return answers
+
+
+def answer_scores(answers: list[str], golds: list[str], passages: list[str] | None = None) -> dict:
+    """`accuracy` (the normalized answer starts with the normalized gold) and, given passages,
+    `from_passage` (the answer's first normalized word is a word of its passage)."""
+    n = max(1, len(answers))
+    norm = [normalize_answer(a) for a in answers]
+    out = {"accuracy": sum(a.startswith(normalize_answer(g)) for a, g in zip(norm, golds)) / n}
+    if passages is not None:
+        first = [a.split()[0] if a else "" for a in norm]
+        out["from_passage"] = sum(bool(w) and w in normalize_answer(p).split() for w, p in zip(first, passages)) / n
+    return out
 
 
 def probe_world_knowledge(model, world, n: int) -> dict:
@@ -41,10 +54,13 @@ def probe_world_knowledge(model, world, n: int) -> dict:
     for bucket, examples in by_bucket.items():
         examples = rng.sample(examples, min(n, len(examples)))
         golds = [ex.golden_answers[0] for ex in examples]
-        closed = [base_prompt_text(ex.question) for ex in examples]
-        gold_ctx = [base_prompt_text(ex.question, [passages[ex.metadata["gold_passage_id"]]]) for ex in examples]
+        gold = [passages[ex.metadata["gold_passage_id"]] for ex in examples]
+        closed = _answers(model, [base_prompt_text(ex.question) for ex in examples])
+        read = _answers(model, [base_prompt_text(ex.question, [p]) for ex, p in zip(examples, gold)])
         name = BUCKETS[bucket]
-        out[f"closed_book_{name}"] = _accuracy(model, closed, golds)
-        out[f"gold_passage_{name}"] = _accuracy(model, gold_ctx, golds)
+        out[f"closed_book_{name}"] = answer_scores(closed, golds)["accuracy"]
+        scores = answer_scores(read, golds, gold)
+        out[f"gold_passage_{name}"] = scores["accuracy"]
+        out[f"gold_passage_{name}_from_passage"] = scores["from_passage"]
         out[f"n_{name}"] = len(examples)
     return out
