@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from train_fixtures import tiny_model, toy_record, toy_records
 
 from jaxrag.models.tokens import EOK, source_token
@@ -172,13 +173,16 @@ def test_pack_documents_keeps_every_document_whole_and_fills_rows():
     docs = [list(range(1000 * i, 1000 * i + n)) for i, n in enumerate(rng.integers(5, 120, 300))]
     docs.append(list(range(900_000, 900_300)))  # longer than a row: split into 128 + 128 + 44
     masks = [[bool(t % 3) for t in d] for d in docs]  # a loss mask that travels with its tokens
-    packed, loss = pack_documents(list(zip(docs, masks)), 128, np.random.default_rng(1))
+    packed, loss, segments = pack_documents(list(zip(docs, masks)), 128, np.random.default_rng(1))
     tokens = packed[packed >= 0]
     assert sorted(tokens.tolist()) == sorted(t for d in docs for t in d)  # each once, nothing lost
     np.testing.assert_array_equal(loss, (packed >= 0) & (packed % 3 != 0))
-    for doc in docs[:-1]:  # whole and contiguous within one row
+    np.testing.assert_array_equal(segments > 0, packed >= 0)
+    for doc in docs[:-1]:  # whole and contiguous within one row, one segment id of its own
         row, col = np.argwhere(packed == doc[0])[0]
         assert packed[row, col:col + len(doc)].tolist() == doc
+        seg = segments[row, col]
+        assert np.flatnonzero(segments[row] == seg).tolist() == list(range(col, col + len(doc)))
     greedy_rows, used = 1, 0  # in-order greedy packing, for comparison
     for n in [len(d[i:i + 128]) for d in docs for i in range(0, len(d), 128)]:
         greedy_rows, used = (greedy_rows, used + n) if used + n <= 128 else (greedy_rows + 1, n)
@@ -196,3 +200,24 @@ def test_text_data_scores_only_the_completion_of_instruction_documents(tiny_hf):
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     want = tok(docs[0])["input_ids"] + eos + tok(" Ada", add_special_tokens=False)["input_ids"] + eos
     assert sorted(scored) == sorted(want)
+
+
+def test_packed_documents_see_only_themselves(tiny_hf):
+    """A packed row's logits equal transformers' on each document run alone from position 0 (no
+    cross-document attention, positions restart at every document)."""
+    import torch
+
+    from jaxrag.train.trainer import forward_fn
+
+    ref, _, model = tiny_hf("qwen2")
+    docs = [[5, 9, 13, 2], [7, 7, 30, 41, 8, 3, 2], [11, 2]]
+    ids = np.array([sum(docs, []) + [0, 0]])
+    segments = np.array([[k + 1 for k, d in enumerate(docs) for _ in d] + [0, 0]], np.int32)
+    graphdef, params = nnx.split(model.decoder)
+    packed = np.asarray(forward_fn(graphdef, params)(jnp.asarray(ids), jnp.asarray(segments)))
+    start = 0
+    for doc in docs:
+        with torch.no_grad():
+            want = ref(torch.tensor([doc])).logits[0].numpy()
+        np.testing.assert_allclose(packed[0, start:start + len(doc), :want.shape[-1]], want, atol=1e-4)
+        start += len(doc)

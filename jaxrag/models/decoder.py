@@ -157,8 +157,18 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int | None):
-    """key_mask [b, s] bool -> [b, 1, t, s]: causal by slot index, padding, optional window.
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """[batch, seq] int (0 = padding, k = k-th packed document) -> each token's position within
+    its own document, counting its real tokens only; one segment equals `positions_from_mask`."""
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+    causal = jnp.tril(jnp.ones(same.shape[1:], bool))
+    return jnp.maximum(jnp.sum(same & causal, axis=-1) - 1, 0)
+
+
+def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int | None,
+                      segment_ids: jax.Array | None = None):
+    """key_mask [b, s] bool -> [b, 1, t, s]: causal by slot index, padding, optional window,
+    and with `segment_ids` [b, t] (no cache) only keys of the query's own packed document.
 
     Query t sits at slot `cache_index + t` of the key axis (0 without a cache).
     """
@@ -168,7 +178,10 @@ def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int
     allowed = k_slot <= q_slot
     if sliding_window is not None:
         allowed &= q_slot - k_slot < sliding_window
-    return (allowed[None] & key_mask[:, None, :].astype(bool))[:, None]
+    allowed = allowed[None] & key_mask[:, None, :].astype(bool)
+    if segment_ids is not None:
+        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return allowed[:, None]
 
 
 class DecoderOutput(NamedTuple):
@@ -199,13 +212,15 @@ class Decoder(nnx.Module):
         cache: list[KVLayerCache] | None = None,
         cache_index: jax.Array | int = 0,
         hidden_layer: int | None = None,
+        segment_ids: jax.Array | None = None,  # [batch, seq] int: packed documents (no cache)
     ) -> DecoderOutput:
         """`hidden_layer` l returns transformers' `hidden_states[l]`: 0 = embeddings, l = output
-        of decoder layer l (1-based), num_layers = after the final norm."""
+        of decoder layer l (1-based), num_layers = after the final norm. With `segment_ids`, a
+        token attends only within its own packed document."""
         cfg, dtype = self.cfg, resolve_dtype(self.cfg.dtype)
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
         cos, sin = rope_cos_sin(cfg.rope, positions, dtype)
-        mask = attention_mask_4d(key_mask, input_ids.shape[1], cache_index, cfg.sliding_window)
+        mask = attention_mask_4d(key_mask, input_ids.shape[1], cache_index, cfg.sliding_window, segment_ids)
         hidden = x if hidden_layer == 0 else None
         new_cache = [] if cache is not None else None
         for i, block in enumerate(self.layers):

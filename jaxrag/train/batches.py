@@ -235,12 +235,13 @@ class RecordData:
 
 
 def pack_documents(docs: list[tuple[list[int], list[bool]]], max_length: int,
-                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Best-fit-decreasing packing of (token ids, loss mask) documents into [n_rows, max_length]
-    ids (-1 = padding) and loss masks: a document never straddles two rows unless it is longer
-    than one (then it is split), so a question and its answer are seen together; ~99% of slots are
-    real tokens, where greedy in-order packing of the world's mix fills ~86%. Rows, and documents
-    within a row, are shuffled."""
+    ids (-1 = padding), loss masks and segment ids (1, 2, ... per document in its row, 0 =
+    padding): a document never straddles two rows unless it is longer than one (then it is
+    split), so a question and its answer are seen together; ~99% of slots are real tokens, where
+    greedy in-order packing of the world's mix fills ~86%. Rows, and documents within a row, are
+    shuffled."""
     pieces = [(ids[i:i + max_length], mask[i:i + max_length]) for ids, mask in docs
               for i in range(0, len(ids), max_length)]
     free: list[tuple[int, int]] = []  # (free slots, row index), sorted
@@ -257,22 +258,27 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], max_length: int,
         bisect.insort(free, (room - size, row))
     packed = np.full((len(rows), max_length), -1, np.int32)
     loss = np.zeros((len(rows), max_length), bool)
+    segments = np.zeros((len(rows), max_length), np.int32)
     for i, r in enumerate(rng.permutation(len(rows))):
         order = [rows[r][j] for j in rng.permutation(len(rows[r]))]
         row = [t for ids, _ in order for t in ids]
         packed[i, :len(row)] = row
         loss[i, :len(row)] = [m for _, mask in order for m in mask]
-    return packed, loss
+        segments[i, :len(row)] = [k + 1 for k, (ids, _) in enumerate(order) for _ in ids]
+    return packed, loss, segments
 
 
 class TextData:
     """LM data: each epoch's documents (`texts` or `texts(epoch)`), each ending in EOS, packed
     into [max_length] rows by `pack_documents`. A document is text (every token is a target) or
-    `(prompt, completion)` (only the completion and EOS are: instruction-format examples)."""
+    `(prompt, completion)` (only the completion and EOS are: instruction-format examples).
+    `mask` holds segment ids: a packed document attends only to itself, from position 0, as it
+    will at inference (attending across documents taught the model to copy values out of
+    whichever unrelated document shared its row)."""
 
     def __init__(self, texts: Sequence | Callable[[int], Sequence], tokenizer, max_length: int, seed: int):
         self.texts, self.tok, self.max_length, self.seed = texts, tokenizer, max_length, seed
-        self._epoch, self._rows, self._loss = None, None, None
+        self._epoch, self._rows, self._loss, self._segments = None, None, None, None
         self.where = "pretraining texts"
 
     def _documents(self, docs: list) -> list[tuple[list[int], list[bool]]]:
@@ -291,7 +297,7 @@ class TextData:
             if not docs:
                 raise JaxragError(f"{self.where}: empty dataset (epoch {epoch})")
             rng = np.random.default_rng([self.seed, epoch])
-            self._rows, self._loss = pack_documents(self._documents(docs), self.max_length, rng)
+            self._rows, self._loss, self._segments = pack_documents(self._documents(docs), self.max_length, rng)
             self._epoch = epoch
         return self._rows
 
@@ -305,5 +311,5 @@ class TextData:
 
     def rows(self, indices: np.ndarray, epoch: int) -> dict[str, np.ndarray]:
         ids = self.epoch_rows(epoch)[indices]
-        real = ids >= 0
-        return {"ids": np.where(real, ids, 0), "mask": real, "loss_mask": self._loss[indices].astype(np.float32)}
+        return {"ids": np.where(ids >= 0, ids, 0), "mask": self._segments[indices],
+                "loss_mask": self._loss[indices].astype(np.float32)}

@@ -9,7 +9,8 @@ log p(c | q) = sum_t log p(c_t | q, c_<t). Stage losses average these per-exampl
 real examples of the batch (padding rows have `valid = 0`); the LM loss averages over tokens.
 Masks are on *target* positions: `mask[b, t] = 1` scores `ids[b, t]` given `ids[b, :t]`.
 
-Batch keys (see `jaxrag.train.batches`): ids [b, t] int, mask [b, t] bool (real tokens),
+Batch keys (see `jaxrag.train.batches`): ids [b, t] int, mask [b, t] bool (real tokens) or int
+(segment ids of packed documents, 0 = padding),
 src / verb / ans [b, t] float (segment targets), valid [b] float; stage 2 adds rej_ids,
 rej_mask, rej_verb (the rejected verbalization's sequence), ref_chosen / ref_rejected [b]
 (reference log-probs) and dpo [b] (1 = a Self example).

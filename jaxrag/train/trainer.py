@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxrag import sharding
 from jaxrag.errors import JaxragError
-from jaxrag.models.decoder import Decoder, positions_from_mask
+from jaxrag.models.decoder import Decoder, positions_from_segments
 from jaxrag.train.checkpoint import Checkpoints, abstract_like
 from jaxrag.train.losses import Forward, LossTerms
 from jaxrag.train.metrics import MetricsLogger
@@ -91,8 +91,13 @@ def accumulation_steps(spec: TrainSpec, mesh) -> int:
 
 
 def forward_fn(graphdef, params) -> Forward:
+    """`mask` [b, t]: bool (real tokens) or int segment ids of packed documents (0 = padding)."""
     model = nnx.merge(graphdef, params)
-    return lambda ids, mask: model(ids, positions_from_mask(mask), mask).logits
+
+    def forward(ids, mask):
+        segments = mask.astype(jnp.int32)
+        return model(ids, positions_from_segments(segments), segments > 0, segment_ids=segments).logits
+    return forward
 
 
 def loss_and_grads(graphdef, objective: Objective, params: dict, batch: dict) -> tuple[LossTerms, dict]:
@@ -134,7 +139,7 @@ def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shard
         updates, opt = tx.update(grads, state["opt"], params)
         metrics = {"loss": terms.total / count, **{k: v / count for k, v in terms.parts.items()},
                    "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
-                   "tokens": jnp.sum(batch["mask"]) + jnp.sum(batch.get("rej_mask", jnp.zeros((), bool))),
+                   "tokens": jnp.sum(batch["mask"] > 0) + jnp.sum(batch.get("rej_mask", jnp.zeros((), bool))),
                    "truncated": jnp.sum(batch.get("truncated", jnp.zeros(()))),
                    "sequences": jnp.sum(batch.get("valid", jnp.zeros(())))}
         return {"params": optax.apply_updates(params, updates), "opt": opt, "step": state["step"] + 1}, metrics
