@@ -273,8 +273,8 @@ class TextData:
     into [max_length] rows by `pack_documents`. A document is text (every token is a target) or
     `(prompt, completion)` (only the completion and EOS are: instruction-format examples).
     `mask` holds segment ids: a packed document attends only to itself, from position 0, as it
-    will at inference (attending across documents taught the model to copy values out of
-    whichever unrelated document shared its row)."""
+    will at inference (with attention across a row's unrelated documents the tiny base model
+    needed twice the steps to recall popular facts)."""
 
     def __init__(self, texts: Sequence | Callable[[int], Sequence], tokenizer, max_length: int, seed: int):
         self.texts, self.tok, self.max_length, self.seed = texts, tokenizer, max_length, seed
