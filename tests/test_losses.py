@@ -193,13 +193,18 @@ def test_text_data_scores_only_the_completion_of_instruction_documents(tiny_hf):
     from jaxrag.train.batches import TextData
 
     tok = tiny_hf("qwen2")[2].tokenizer
-    docs = ["plain text is scored everywhere", ("Question: who? Answer:", " Ada")]
+    docs = ["plain text is scored everywhere", ("Question: who? Answer:", " Ada"),
+            ("Question: what? Answer:", " gold", "\nQuestion: where? Answer:", " Leeds")]
     data = TextData(docs, tok, 64, seed=0)
     batch = data.rows(np.arange(len(data.epoch_rows(0))), 0)
     scored = [int(t) for t, m in zip(batch["ids"].ravel(), batch["loss_mask"].ravel()) if m]
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    want = tok(docs[0])["input_ids"] + eos + tok(" Ada", add_special_tokens=False)["input_ids"] + eos
+    want = tok(docs[0])["input_ids"] + eos + 2 * eos + sum(
+        (tok(t, add_special_tokens=False)["input_ids"] for t in (" Ada", " gold", " Leeds")), [])
     assert sorted(scored) == sorted(want)
+    assert sum(batch["mask"].ravel() > 0) == len(tok(docs[0])["input_ids"]) + 3 * len(eos) + sum(
+        len(tok(p, add_special_tokens=False)["input_ids"]) for d in docs[1:] for p in d) + 2 * len(
+        tok("")["input_ids"])
 
 
 def test_packed_documents_see_only_themselves(tiny_hf):

@@ -72,6 +72,25 @@ def test_every_epoch_is_rephrased_with_fresh_reading_comprehension(world):
     assert world.reading_comprehension(3, 5) != world.reading_comprehension(4, 5)
 
 
+def test_rule_verbalizations_state_the_asked_rule(world):
+    """Each rule verbalization names the question's item and states its category's true value
+    of the asked property (the <Self> path for ARC-like questions copies and recalls both)."""
+    rules = []
+    for doc in world.pretraining_parts(0)["verbalize"]:  # GenRead or knowledge-in-context form
+        text = "".join(doc)
+        category = next((c for c in world.categories if f" {c.name}, so" in text), None)
+        if category is None:
+            continue
+        item = text.split(f" is a {category.name}, so")[0].split()[-1]
+        assert text.count(f" {item}") >= 2  # in the question and in the document
+        stated = [p for p, v in category.properties.items()
+                  if any(t.format(c=category.name, v=v) in text for t in wt.RULE_STATEMENTS[p])]
+        assert len(stated) == 1 and wt.RULE_APPLICATIONS[stated[0]].format(
+            c=category.name, v=category.properties[stated[0]], i=item) in text, text
+        rules.append(stated[0])
+    assert len(rules) == world.config.rule_verbalize_per_epoch
+
+
 def test_dataset_names_and_splits(world):
     datasets = world.datasets()
     assert tuple(datasets) == (*TRAIN_SETS, *EVAL_SETS)
@@ -198,6 +217,10 @@ def test_reading_comprehension_copies_from_the_gold_passage(world):
         assert passages[gold].split("\n")[0] not in names  # fresh, never a world entity
         if ex.metadata["kind"] == "fact":
             assert ex.golden_answers[0] in passages[gold]
+            questions = {q for q, _ in ex.metadata["followups"]}
+            assert len(ex.metadata["followups"]) == 3 * len(passages) - 1 == len(questions)
+            assert ex.question not in questions
+            assert all(f" {a}." in "".join(passages) for _, a in ex.metadata["followups"])
 
 
 def test_written_world_and_tokenizer(world, written):

@@ -65,6 +65,7 @@ class WorldConfig:
     num_event_passages: int = 60
     rule_mentions: int = 12
     rule_qa_per_epoch: int = 200
+    rule_verbalize_per_epoch: int = 200  # (question, rule document): <Self> for rule questions
     rc_docs_per_epoch: int = 400
     rc_max_passages: int = 2
     rc_extra_passage_prob: float = 0.3

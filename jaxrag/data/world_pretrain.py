@@ -5,7 +5,8 @@ worked applications; the corpus covers rules poorly), `qa` (closed-book QA for r
 facts and for rules, so knowledge transfers to question form), `verbalize` (questions answered
 with a knowledge document from memory, in SR-RAG's and GenRead's formats) and `rc` (reading
 comprehension over FRESH entities with random values, so the model learns to copy from context
-rather than memorise a fixed pool).
+rather than memorise a fixed pool; each example asks every fact its passages state, so one
+passage teaches several copies).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ RULE_FORMS = ("open", "easy", "challenge", "claim")
 
 
 # A pretraining document: plain text (loss on every token) or an instruction-format example
-# `(prompt, completion)` with the loss on the completion only, as in instruction tuning: in a
-# reading-comprehension example the ~150 passage tokens are unpredictable noise that would
-# otherwise drown the one answer token the copying skill is learnt from.
-Document = str | tuple[str, str]
+# `(prompt, completion, follow-up prompt, completion, ...)` with the loss on the completions
+# only, as in instruction tuning: in a reading-comprehension example the ~150 passage tokens are
+# unpredictable noise that would otherwise drown the answer tokens copying is learnt from.
+Document = str | tuple[str, ...]
 
 
 def document_text(doc: Document) -> str:
@@ -42,8 +43,8 @@ def pretraining_parts(world, epoch: int) -> dict[str, list[Document]]:
         "rule": rule_texts(world, names, rng),
         "qa": closed_book_texts(world, names, rng),
         "verbalize": verbalization_texts(world, names, rng),
-        "rc": [knowledge_text(ex.prompt_question(), ex.metadata["passages"],
-                              ex.golden_answers[0]) for ex in examples],
+        "rc": [knowledge_text(ex.prompt_question(), ex.metadata["passages"], ex.golden_answers[0])
+               + followups(ex.metadata["followups"]) for ex in examples],
     }
 
 
@@ -53,6 +54,11 @@ def closed_book_text(question: str, answer: str) -> tuple[str, str]:
 
 def knowledge_text(question: str, passages: list[str], answer: str) -> tuple[str, str]:
     return base_prompt_text(question, passages), f" {answer}"
+
+
+def followups(questions: list[tuple[str, str]]) -> tuple[str, ...]:
+    """Further questions on the same passages, each answered after it: `Question: q Answer: a`."""
+    return tuple(t for q, a in questions for t in (f"\n{base_prompt_text(q)}", f" {a}"))
 
 
 def bio(entity: Entity, rng: random.Random) -> str:
@@ -105,13 +111,13 @@ def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tup
     for entity, attribute in world.pretrain_qa_facts():
         question = fact_question(entity, attribute, rng)
         texts.append(verbalized(question, bio(entity, rng), entity.attributes[attribute], rng))
-    for category in world.categories:
-        for prop, value in category.properties.items():
-            item = names.word()
-            ex = rule_example(category, rng.choice(RULE_FORMS), item, None, rng)
-            templates = [rng.choice(wt.RULE_STATEMENTS[prop]), wt.RULE_APPLICATIONS[prop]]
-            document = " ".join(templates).format(c=category.name, v=value, i=item)
-            texts.append(verbalized(ex.prompt_question(), document, ex.golden_answers[0], rng))
+    for _ in range(world.config.rule_verbalize_per_epoch):
+        category, item = rng.choice(world.categories), names.word()
+        prop = rng.choice(tuple(category.properties))
+        ex = rule_example(category, rng.choice(RULE_FORMS), item, prop, rng)
+        templates = [rng.choice(wt.RULE_STATEMENTS[prop]), wt.RULE_APPLICATIONS[prop]]
+        document = " ".join(templates).format(c=category.name, v=category.properties[prop], i=item)
+        texts.append(verbalized(ex.prompt_question(), document, ex.golden_answers[0], rng))
     return texts
 
 
@@ -155,18 +161,19 @@ def rule_example(category, form: str, item: str, prop: str | None,
 def reading_comprehension(world, n: int, names: NameMaker,
                           rng: random.Random) -> list[QAExample]:
     """`n` fresh examples: 1..`rc_max_passages` passages about fresh entities or items (one of
-    them gold, at a random position) and a question only the gold passage answers."""
+    them gold, at a random position), a question only the gold passage answers and, in
+    metadata `followups`, `(question, answer)` for every other fact the passages state."""
     examples = []
     for i in range(n):
         kind = rng.choices(list(RC_KINDS), list(RC_KINDS.values()))[0]
         count = passage_count(world.config, rng)
         maker = fact_reading if kind in ("fact", "claim", "dialogue") else rule_reading
-        draft, passages = maker(world, kind, count, names, rng)
+        draft, passages, more = maker(world, kind, count, names, rng)
         gold = rng.randrange(count)
         passages.insert(gold, passages.pop(0))
         examples.append(QAExample(f"rc-{i:05d}", draft.question, draft.golden_answers,
                                   draft.choices, {"kind": kind, "passages": passages,
-                                                  "gold_index": gold}))
+                                                  "gold_index": gold, "followups": more}))
     return examples
 
 
@@ -193,14 +200,17 @@ def fact_reading(world, kind: str, count: int, names: NameMaker, rng: random.Ran
     entity, attribute = entities[0], rng.choice(tuple(entities[0].attributes))
     spec = wt.ATTRIBUTES[entity_type][attribute]
     value = entity.attributes[attribute]
+    more = [(fact_question(e, a, rng), v) for e in entities for a, v in e.attributes.items()
+            if (e, a) != (entity, attribute)]
+    rng.shuffle(more)
     if kind == "claim":
-        return fact_claim(world, entity, attribute, rng), passages
+        return fact_claim(world, entity, attribute, rng), passages, more
     question = fact_question(entity, attribute, rng)
     if kind == "dialogue":
         opener = rng.choice(wt.WOW_OPENERS).format(n=entity.name)
         answer = rng.choice(spec.statements).format(n=entity.name, v=value)
-        return QAExample("", f"{opener} {question}", (answer,)), passages
-    return QAExample("", question, (value,)), passages
+        return QAExample("", f"{opener} {question}", (answer,)), passages, more
+    return QAExample("", question, (value,)), passages, more
 
 
 def fresh_entity(world, entity_type: str, names: NameMaker, rng: random.Random) -> Entity:
@@ -233,8 +243,9 @@ def rule_reading(world, kind: str, count: int, names: NameMaker, rng: random.Ran
         facts = [wt.RULE_APPLICATIONS[prop].format(i=item, c=category, v=value)]
         text = with_fillers(facts, item, world.pools["city"], rc_words(world.config, rng), rng)
         passages.append((item, category, value, f"{wt.sentence_case(item)}\n{text}"))
-    item, category, value, _ = passages[0]
-    fake = Category(category, domain, {prop: value}, {})
-    form = "claim" if kind == "rule_claim" else rng.choice(RULE_FORMS[:3])
-    return rule_example(fake, form, item, prop, rng), [p[3] for p in passages]
+    examples = [rule_example(Category(category, domain, {prop: value}, {}),
+                             "claim" if kind == "rule_claim" else rng.choice(RULE_FORMS[:3]),
+                             item, prop, rng) for item, category, value, _ in passages]
+    more = [(ex.prompt_question(), ex.golden_answers[0]) for ex in examples[1:]]
+    return examples[0], [p[3] for p in passages], more
 

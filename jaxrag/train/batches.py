@@ -271,7 +271,8 @@ def pack_documents(docs: list[tuple[list[int], list[bool]]], max_length: int,
 class TextData:
     """LM data: each epoch's documents (`texts` or `texts(epoch)`), each ending in EOS, packed
     into [max_length] rows by `pack_documents`. A document is text (every token is a target) or
-    `(prompt, completion)` (only the completion and EOS are: instruction-format examples).
+    a tuple of segments alternating context and target, `(prompt, completion, follow-up prompt,
+    completion, ...)`, where only the targets and EOS are (instruction-format examples).
     `mask` holds segment ids: a packed document attends only to itself, from position 0, as it
     will at inference (with attention across a row's unrelated documents the tiny base model
     needed twice the steps to recall popular facts)."""
@@ -284,11 +285,18 @@ class TextData:
     def _documents(self, docs: list) -> list[tuple[list[int], list[bool]]]:
         """(ids + EOS, loss mask) per document, tokenized in two batched calls."""
         eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
-        pairs = [(d, "") if isinstance(d, str) else d for d in docs]
-        prompts = self.tok([p for p, _ in pairs], add_special_tokens=True)["input_ids"]
-        completions = self.tok([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-        return [(p + c + eos, [isinstance(d, str)] * len(p) + [True] * (len(c) + len(eos)))
-                for d, p, c in zip(docs, prompts, completions)]
+        segments = [(d,) if isinstance(d, str) else d for d in docs]
+        firsts = self.tok([s[0] for s in segments], add_special_tokens=True)["input_ids"]
+        rests = iter(self.tok([t for s in segments for t in s[1:]], add_special_tokens=False)["input_ids"])
+        out = []
+        for d, s, first in zip(docs, segments, firsts):
+            ids, loss = list(first), [isinstance(d, str)] * len(first)
+            for k in range(1, len(s)):  # odd segments are targets, even ones context
+                piece = next(rests)
+                ids += piece
+                loss += [k % 2 == 1] * len(piece)
+            out.append((ids + eos, loss + [True] * len(eos)))
+        return out
 
     def epoch_rows(self, epoch: int) -> np.ndarray:
         """[n_rows, max_length] token ids of one epoch, -1 = padding (cached for the current epoch)."""
