@@ -287,7 +287,8 @@ class TextData:
         eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
         segments = [(d,) if isinstance(d, str) else d for d in docs]
         firsts = self.tok([s[0] for s in segments], add_special_tokens=True)["input_ids"]
-        rests = iter(self.tok([t for s in segments for t in s[1:]], add_special_tokens=False)["input_ids"])
+        rest = [t for s in segments for t in s[1:]]  # the tokenizer rejects an empty batch
+        rests = iter(self.tok(rest, add_special_tokens=False)["input_ids"] if rest else [])
         out = []
         for d, s, first in zip(docs, segments, firsts):
             ids, loss = list(first), [isinstance(d, str)] * len(first)
