@@ -16,6 +16,7 @@ GENREAD_PROMPT = (
     "Generate a background document from Wikipedia to help answer the following question. "
     "Directly start with document content and do not generate URL.\nQuestion: {question}\nBackground document:"
 )
+GENREAD_DEMO_SEPARATOR = "\n\n"
 GENREAD_AMBIGUOUS = " If the question is ambiguous, generate multiple documents for each possibility."
 
 
@@ -79,6 +80,13 @@ def genread_prompt_text(question: str, ambiguous: bool = False) -> str:
     """GenRead's zero-shot verbalization prompt (paper Fig. 5); the document follows one space."""
     prompt = GENREAD_PROMPT.format(question=question)
     return prompt.replace("\nQuestion:", GENREAD_AMBIGUOUS + "\nQuestion:", 1) if ambiguous else prompt
+
+
+def genread_fewshot_text(demos: list[tuple[str, str]], question: str, ambiguous: bool = False) -> str:
+    """GenRead's clustering-based prompt (round 2): each (question, document) demonstration as a
+    completed zero-shot prompt, then the question's own prompt."""
+    parts = [f"{genread_prompt_text(q, ambiguous)} {d}" for q, d in demos]
+    return GENREAD_DEMO_SEPARATOR.join([*parts, genread_prompt_text(question, ambiguous)])
 
 
 def base_prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:

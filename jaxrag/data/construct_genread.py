@@ -1,6 +1,6 @@
 """GenRead knowledge verbalization for data construction (SR-RAG App. B.1; Yu et al., 2023).
 
-Round 1: one greedy zero-shot document per question (`genread_prompt_text`). GenRead is run per
+Round 1: one greedy zero-shot document per question (`prompts.genread_prompt_text`). GenRead is run per
 training dataset: each dataset's (question + document) pairs are embedded and clustered with
 k-means into `kmeans_clusters` clusters. Round 2 is GenRead's clustering-based prompting:
 verbalization j of a question is prompted with `demos_per_cluster` (question, document)
@@ -30,10 +30,9 @@ from tqdm.auto import tqdm
 from jaxrag.data.schema import write_jsonl
 from jaxrag.decode.sampler import SamplingParams, generate
 from jaxrag.errors import JaxragError
-from jaxrag.prompts import base_prompt_ids, genread_prompt_text
+from jaxrag.prompts import base_prompt_ids, genread_fewshot_text
 
 AMBIGUOUS_DATASETS = frozenset({"asqa"})  # App. B.1: ASQA's prompt asks for one document per reading
-DEMO_SEPARATOR = "\n\n"
 ROUND1, POOLS = "round1", "pools.json"  # out_dir/round1/{shard-00000.jsonl, ..., pools.json}
 
 
@@ -60,8 +59,7 @@ def genread_prompt(tokenizer, question: str, ambiguous: bool, demos: Sequence[tu
     Returns (ids, number of demonstrations kept)."""
     kept = len(demos)
     while True:
-        parts = [f"{genread_prompt_text(q, ambiguous)} {d}" for q, d in demos[:kept]]
-        ids = base_prompt_ids(tokenizer, [DEMO_SEPARATOR.join([*parts, genread_prompt_text(question, ambiguous)])])[0]
+        ids = base_prompt_ids(tokenizer, [genread_fewshot_text(list(demos[:kept]), question, ambiguous)])[0]
         if kept == 0 or not max_tokens or len(ids) <= max_tokens:
             return ids, kept
         kept -= 1
