@@ -87,6 +87,23 @@ def test_every_row_stops_at_its_stop_token(model):
             assert after[i].answer == before[i].answer
 
 
+def test_verbalization_ends_at_eos(model):
+    """Make a Self row's greedy first verbalized token the EOS: its knowledge is empty, it is not
+    truncated, and its answer follows `q<EOQ><Self></s><EOK> Answer:` (<EOK> appended, since the
+    row did not write it), greedy, as `generate` computes it directly."""
+    tok = model.tokenizer
+    row = prompt_ids(tok, [QUESTIONS[1]])[0] + [model.token_id(source_token("self"))]
+    first = generate(model.decoder, [row], 1)[0][0]
+    stopping = copy.deepcopy(tok)
+    stopping.add_tokens([f"<unused{i}>" for i in range(len(stopping), first + 1)])
+    stopping.eos_token = stopping.convert_ids_to_tokens(first)
+    out = route(dataclasses.replace(model, tokenizer=stopping), QUESTIONS[1:2], always("self"), retrieve, CFG)[0]
+    assert out.knowledge == "" and not out.knowledge_truncated
+    expected = generate(model.decoder, [row + [first] + answer_prefix_ids(tok)], CFG.max_answer_tokens,
+                        stop_ids=[first])[0]
+    assert out.answer == stopping.decode([t for t in expected if t != first], skip_special_tokens=True).strip()
+
+
 def test_crossing_tau_switches_route(model):
     q = [QUESTIONS[0]]
     always_wiki = lambda hidden: np.zeros((len(hidden), 4), int)  # noqa: E731  all neighbours say wiki

@@ -4,7 +4,10 @@
     policy(p_M, hidden)                                -> one source per row (kNN p_D for SR-RAG)
     append <s>; Self rows verbalize up to <EOK>        (Wiki rows sit idle: budget 0)
     retrieve for Wiki rows in one batched call; append passages<EOK> (Self rows: <EOK> only if
-    their verbalization ran out of budget) and " Answer:"; every row generates its answer.
+    their verbalization did not end with it) and " Answer:"; every row generates its answer.
+
+A verbalization also ends at EOS: a model that closes its document the way its base closed
+GenRead documents would otherwise write on past its own end (seen on the embedded world).
 
 The prefix's KV cache is extended, never recomputed. Latency follows the paper's App. B.2:
 T_d (source selection), T_v (verbalization) or T_r (retrieval), T_g (answer), per item.
@@ -58,13 +61,13 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def _knowledge_chunk(tok, passages: list[str] | None, verbal_stopped: bool, tail: list[int],
-                     budget: int) -> tuple[list[int], bool]:
+def _knowledge_chunk(tok, passages: list[str] | None, verbal_stopped: bool, verbal_has_eok: bool,
+                     tail: list[int], budget: int) -> tuple[list[int], bool]:
     """Tokens appended after the verbalization phase, ending in `<EOK> Answer:` (`tail`);
     returns (tokens, knowledge was truncated). A Self row that stopped on its own `<EOK>` has
-    it in the cache already."""
+    it in the cache already; one that stopped on EOS or ran out of budget does not."""
     if passages is None:  # Self: its verbalization is in the cache already
-        return (tail[1:] if verbal_stopped else tail), not verbal_stopped
+        return (tail[1:] if verbal_has_eok else tail), not verbal_stopped
     if not passages:  # no-retrieval source
         return tail, False
     text = knowledge_ids(tok, [passages])[0]
@@ -105,17 +108,18 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     t_d += time.perf_counter() - start
     chosen = [sources[i] for i in np.asarray(decision.source)]
 
-    # T_v: append each row's source token; Self rows verbalize up to <EOK>.
+    # T_v: append each row's source token; Self rows verbalize up to <EOK> (or EOS).
     def verbalize():
         ids, mask = left_pad([[src_ids[sources.index(s)]] for s in chosen], 1, batch)
         st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
         budget[:n] = [cfg.max_verbal_tokens if s == SELF else 0 for s in chosen]
-        return decode(dec, st, on_mesh(stop_matrix([[eok]] * n, batch), mesh), on_mesh(budget, mesh),
+        return decode(dec, st, on_mesh(stop_matrix([[eok, *eos]] * n, batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
 
     (state, verbal, verbal_len, verbal_stopped), t_v = _timed(verbalize)
     verbal, verbal_len, verbal_stopped = map(np.asarray, (verbal, verbal_len, verbal_stopped))
+    has_eok = [bool(verbal_stopped[i]) and verbal[i, verbal_len[i] - 1] == eok for i in range(n)]
 
     # T_r: one batched retrieval call for the Wiki rows.
     wiki_rows = [i for i, s in enumerate(chosen) if s not in (SELF, NONE)]  # every other source is retrieved
@@ -129,8 +133,8 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     passages.update({i: [] for i, s in enumerate(chosen) if s == NONE})
 
     # T_g: knowledge tail + " Answer:" for every row, then the answer.
-    chunks = [_knowledge_chunk(tok, passages.get(i), bool(verbal_stopped[i]), tail, cfg.max_knowledge_tokens)
-              for i in range(n)]
+    chunks = [_knowledge_chunk(tok, passages.get(i), bool(verbal_stopped[i]), has_eok[i], tail,
+                               cfg.max_knowledge_tokens) for i in range(n)]
 
     def answer_phase():
         ids, mask = left_pad([c for c, _ in chunks], klen, batch)
@@ -151,7 +155,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         elif chosen[i] != SELF:
             knowledge, phase = join_passages(passages[i]), {"T_r": t_r / len(wiki_rows)}
         else:
-            knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok]).strip()
+            knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok and t not in eos]).strip()
             phase = {"T_v": t_v / n_self}
         text = tok.decode([t for t in answers[i, : answer_len[i]] if t not in eos], skip_special_tokens=True)
         out.append(Routed(
