@@ -65,7 +65,8 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
 
     world = _world(cfg)
     model = train_lm(_tiny_model(cfg, workdir), world.pretraining_documents, cfg, workdir / "base_train")
-    metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions))
+    metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions),
+                                    int(cfg.construct.verbalize_max_tokens))
     save_model(model, out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print("  what the base model knows:", json.dumps(metrics))

@@ -6,7 +6,7 @@ import pytest
 
 from jaxrag.data.schema import QAExample
 from jaxrag.errors import JaxragError
-from jaxrag.eval.probe import answer_scores
+from jaxrag.eval.probe import answer_scores, states_answer
 from jaxrag.eval.metrics import (
     auroc,
     dataset_accuracy,
@@ -157,3 +157,11 @@ def test_probe_answer_scores_by_hand():
     # accuracy: paris, rome (article dropped) = 2/4; first word in passage: paris, oslo = 2/4
     assert answer_scores(answers, golds, passages) == {"accuracy": 0.5, "from_passage": 0.5}
     assert answer_scores(answers, golds) == {"accuracy": 0.5}
+
+
+def test_probe_states_answer_by_hand():
+    docs = ["Kelo was born in New Paris. He is a potter.", "The color of every telli is brown.",
+            "Parisville is far away.", ""]
+    golds = ["new paris", "Brown", "Paris", "Oslo"]
+    # whole normalized words only: "new paris" and "brown" are stated, "paris" is not a word of doc 3
+    assert states_answer(docs, golds) == 0.5

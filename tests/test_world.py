@@ -91,6 +91,25 @@ def test_rule_verbalizations_state_the_asked_rule(world):
     assert len(rules) == world.config.rule_verbalize_per_epoch
 
 
+def test_fact_verbalizations_open_with_the_asked_fact(world):
+    """A fact verbalization's document opens with a statement of the asked value about the
+    asked entity; in SR-RAG's form the document and the answer are both training targets."""
+    docs, facts = world.pretraining_parts(0)["verbalize"], world.pretrain_qa_facts()
+    forms = Counter()
+    for doc, (entity, attribute) in zip(docs, facts):
+        value = entity.attributes[attribute]
+        document = doc[1]
+        first = document.strip().split(". ")[0]
+        assert entity.name in first and value in first, (first, entity.name, value)
+        assert len(document.split(". ")) == len(entity.attributes)  # then the rest of the bio
+        if len(doc) == 4:  # `Question: q Background knowledge:` | doc | ` Answer:` | answer
+            assert doc[0].endswith("Background knowledge:") and doc[2:] == (" Answer:", f" {value}")
+        else:
+            assert len(doc) == 2 and doc[0].endswith("Background document:")
+        forms[len(doc)] += 1
+    assert forms[2] > 0 and forms[4] > 0
+
+
 def test_dataset_names_and_splits(world):
     datasets = world.datasets()
     assert tuple(datasets) == (*TRAIN_SETS, *EVAL_SETS)

@@ -17,7 +17,7 @@ from jaxrag.data import world_text as wt
 from jaxrag.data.schema import QAExample
 from jaxrag.data.world_corpus import entity_passage, with_fillers
 from jaxrag.data.world_entities import ENTITY_TYPES, Category, Entity, NameMaker
-from jaxrag.prompts import base_prompt_text, genread_prompt_text
+from jaxrag.prompts import ANSWER_PREFIX, base_prompt_text, genread_prompt_text
 
 RC_KINDS = {"fact": 0.55, "claim": 0.15, "dialogue": 0.1, "rule": 0.12, "rule_claim": 0.08}
 RULE_FORMS = ("open", "easy", "challenge", "claim")
@@ -61,11 +61,16 @@ def followups(questions: list[tuple[str, str]]) -> tuple[str, ...]:
     return tuple(t for q, a in questions for t in (f"\n{base_prompt_text(q)}", f" {a}"))
 
 
-def bio(entity: Entity, rng: random.Random) -> str:
-    facts = [rng.choice(wt.ATTRIBUTES[entity.type][a].statements).format(n=entity.name, v=v)
-             for a, v in entity.attributes.items()]
-    rng.shuffle(facts)
-    return " ".join(facts)
+def bio(entity: Entity, rng: random.Random, first: str | None = None) -> str:
+    """The entity's facts in random order and phrasing; attribute `first` opens it."""
+    facts = {a: rng.choice(wt.ATTRIBUTES[entity.type][a].statements).format(n=entity.name, v=v)
+             for a, v in entity.attributes.items()}
+    order = list(facts)
+    rng.shuffle(order)
+    if first is not None:
+        order.remove(first)
+        order.insert(0, first)
+    return " ".join(facts[a] for a in order)
 
 
 def fact_question(entity: Entity, attribute: str, rng: random.Random) -> str:
@@ -104,13 +109,15 @@ def closed_book_texts(world, names: NameMaker, rng: random.Random) -> list[tuple
     return texts
 
 
-def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tuple[str, str]]:
+def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tuple[str, ...]]:
     """A question followed by a knowledge document written from memory, so a base model can
     verbalize knowledge (SR-RAG's <Self> path, GenRead in data construction)."""
     texts = []
     for entity, attribute in world.pretrain_qa_facts():
+        # The asked fact first, as a question-focused GenRead document: a greedy verbalization
+        # cut at the token budget then still states it.
         question = fact_question(entity, attribute, rng)
-        texts.append(verbalized(question, bio(entity, rng), entity.attributes[attribute], rng))
+        texts.append(verbalized(question, bio(entity, rng, attribute), entity.attributes[attribute], rng))
     for _ in range(world.config.rule_verbalize_per_epoch):
         category, item = rng.choice(world.categories), names.word()
         prop = rng.choice(tuple(category.properties))
@@ -124,13 +131,15 @@ def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tup
     return texts
 
 
-def verbalized(question: str, document: str, answer: str, rng: random.Random) -> tuple[str, str]:
-    """Half GenRead's zero-shot prompt, half the document as the passage of a knowledge question.
-    (A quarter one-shot GenRead, as construct's round 2 prompts, was tried: seed 0's base then
-    read far worse, gold passage tail 0.24, and wrote no better rule documents.)"""
+def verbalized(question: str, document: str, answer: str, rng: random.Random) -> tuple[str, ...]:
+    """Half GenRead's zero-shot prompt, half SR-RAG's form without its tokens: the model writes
+    the document after `Background knowledge:` and answers from it (loss on both), as the <Self>
+    path will. (A quarter one-shot GenRead, as construct's round 2 prompts, was tried: seed 0's
+    base then read far worse, gold passage tail 0.24, and wrote no better rule documents.)"""
     if rng.random() < 0.5:
         return genread_prompt_text(question), f" {document}"
-    return knowledge_text(question, [document], answer)
+    head = base_prompt_text(question, [document]).removesuffix(f" {document}{ANSWER_PREFIX}")
+    return head, f" {document}", ANSWER_PREFIX, f" {answer}"
 
 
 def fact_claim(world, entity: Entity, attribute: str, rng: random.Random) -> QAExample:

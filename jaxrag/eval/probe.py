@@ -6,6 +6,9 @@ Prompts are the base model's (`prompts.base_prompt_text`), as in pretraining; an
 when its normalized text starts with the normalized gold value. `gold_passage_*_from_passage`
 is the fraction of answers whose first word occurs in the gold passage: it tells a model that
 reads but picks the wrong word (high) from one that ignores the passage (= accuracy).
+`genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
+model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
+questions and for rule questions (the ARC-Challenge analogue).
 """
 
 from __future__ import annotations
@@ -14,19 +17,26 @@ import random
 
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import normalize_answer
-from jaxrag.prompts import base_prompt_ids, base_prompt_text
+from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text
 
 EVAL_SETS = ("popqa", "triviaqa")
 BUCKETS = {"head": "popular", "tail": "tail"}
 
 
-def _answers(model, prompts: list[str], batch_size: int = 32) -> list[str]:
+def _answers(model, prompts: list[str], max_new: int = 6, batch_size: int = 32) -> list[str]:
     tok, answers = model.tokenizer, []
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     for start in range(0, len(prompts), batch_size):
         ids = base_prompt_ids(tok, prompts[start:start + batch_size])
-        answers += [tok.decode(out, skip_special_tokens=True) for out in generate(model.decoder, ids, 6, stop_ids=eos)]
+        answers += [tok.decode(out, skip_special_tokens=True)
+                    for out in generate(model.decoder, ids, max_new, stop_ids=eos)]
     return answers
+
+
+def states_answer(documents: list[str], golds: list[str]) -> float:
+    """Fraction of documents whose normalized words contain the normalized gold answer."""
+    hits = [f" {normalize_answer(g)} " in f" {normalize_answer(d)} " for d, g in zip(documents, golds)]
+    return sum(hits) / max(1, len(hits))
 
 
 def answer_scores(answers: list[str], golds: list[str], passages: list[str] | None = None) -> dict:
@@ -41,8 +51,9 @@ def answer_scores(answers: list[str], golds: list[str], passages: list[str] | No
     return out
 
 
-def probe_world_knowledge(model, world, n: int) -> dict:
-    """Accuracies on up to `n` test questions per bucket, from the PopQA/TriviaQA analogues."""
+def probe_world_knowledge(model, world, n: int, verbal_tokens: int = 48) -> dict:
+    """Accuracies on up to `n` test questions per bucket, from the PopQA/TriviaQA analogues;
+    GenRead documents of up to `verbal_tokens` tokens."""
     passages = {p["id"]: p["contents"] for p in world.corpus()}
     by_bucket: dict[str, list] = {b: [] for b in BUCKETS}
     for name in EVAL_SETS:
@@ -63,4 +74,12 @@ def probe_world_knowledge(model, world, n: int) -> dict:
         out[f"gold_passage_{name}"] = scores["accuracy"]
         out[f"gold_passage_{name}_from_passage"] = scores["from_passage"]
         out[f"n_{name}"] = len(examples)
+        if name == "popular":
+            docs = _answers(model, [genread_prompt_text(ex.question) for ex in examples], verbal_tokens)
+            out["genread_popular"] = states_answer(docs, golds)
+    rules = world.datasets()["arc_challenge"]["test"]
+    rules = rng.sample(rules, min(n, len(rules)))
+    docs = _answers(model, [genread_prompt_text(ex.prompt_question()) for ex in rules], verbal_tokens)
+    out["genread_rule"] = states_answer(docs, [ex.golden_answers[0] for ex in rules])
+    out["n_rule"] = len(rules)
     return out
