@@ -148,8 +148,6 @@ def _stages():
     ]
 
 
-
-
 def preflight(cfg: ConfigDict) -> None:
     """Real-model configs stop at once, before any work, when weights are not at hand."""
     if is_embedded(cfg):
