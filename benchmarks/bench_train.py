@@ -41,6 +41,15 @@ def tiny_decoder(family: str) -> Decoder:
     return jax.jit(lambda: Decoder(dec_cfg, nnx.Rngs(0)))()  # one compiled init, not op-by-op
 
 
+def target_positions(masks: np.ndarray, width: int) -> np.ndarray:
+    """[batch, seq] 0/1 -> [batch, width] positions of the ones (0-padded), as the featurizer's `targets`."""
+    rows = [np.flatnonzero(m) for m in masks]
+    out = np.zeros((len(rows), width), np.int32)
+    for b, r in enumerate(rows):
+        out[b, :len(r)] = r
+    return out
+
+
 def synthetic_batch(batch: int, seq: int, pairs: bool, rng: np.random.Generator) -> dict[str, np.ndarray]:
     ids = rng.integers(0, VOCAB, size=(batch, seq), dtype=np.int32)
     out = {"ids": ids, "mask": np.ones((batch, seq), bool), "loss_mask": np.ones((batch, seq), np.float32),
@@ -50,9 +59,12 @@ def synthetic_batch(batch: int, seq: int, pairs: bool, rng: np.random.Generator)
     seg["verb"][::3, seq // 4 + 1: 3 * seq // 4] = 1  # every third example verbalizes
     seg["ans"][:, -seq // 8:] = 1
     out.update(seg)
+    targets = seg["src"] + seg["verb"] + seg["ans"]
+    width = int(targets.sum(1).max())
+    out["targets"] = target_positions(targets, width)
     if pairs:
         out.update(rej_ids=rng.integers(0, VOCAB, size=(batch, seq), dtype=np.int32), rej_mask=out["mask"],
-                   rej_verb=seg["verb"], dpo=(np.arange(batch) % 3 == 0).astype(np.float32),
+                   rej_verb=seg["verb"], rej_targets=target_positions(seg["verb"], width), dpo=(np.arange(batch) % 3 == 0).astype(np.float32),
                    ref_chosen=np.full(batch, -50.0, np.float32), ref_rejected=np.full(batch, -60.0, np.float32))
     return out
 

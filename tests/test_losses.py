@@ -52,11 +52,21 @@ def np_sequence_lp(logits, ids, positions):
     return sum(lp[t - 1, ids[t]] for t in positions)
 
 
+def stage1_from_logits(logits, batch):
+    return losses.stage1_loss(losses.token_logprobs(logits, batch["ids"]), batch)
+
+
+def stage2_from_logits(logits_c, logits_r, batch, beta):
+    lp_c, lp_r = losses.token_logprobs(logits_c, batch["ids"]), losses.token_logprobs(logits_r, batch["rej_ids"])
+    return losses.stage2_loss(lp_c, lp_r, batch, beta)
+
+
 def test_lm_loss_matches_numpy():
     logits = RNG.normal(size=(2, 7, 11)).astype(np.float32)
     ids = RNG.integers(0, 11, size=(2, 7))
     mask = (RNG.random((2, 7)) < 0.8).astype(np.float32)
-    terms = jax.jit(losses.lm_loss)(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(mask))
+    terms = jax.jit(lambda x, i, m: losses.lm_loss(losses.token_logprobs(x, i), m))(
+        jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(mask))
     lp = np_log_softmax(logits.astype(np.float64))
     nll = [-lp[b, t - 1, ids[b, t]] for b in range(2) for t in range(1, 7) if mask[b, t]]
     np.testing.assert_allclose(terms.total / terms.count, np.mean(nll), rtol=1e-5)
@@ -67,7 +77,7 @@ def test_stage1_loss_matches_equations(model):
     records = toy_records(5)  # labels: self, wiki, wiki, self, wiki
     batch = featurize(model, records)
     logits = RNG.normal(size=(*batch["ids"].shape, model.config.padded_vocab_size)).astype(np.float32)
-    terms = jax.jit(losses.stage1_loss)(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in batch.items()})
+    terms = jax.jit(stage1_from_logits)(jnp.asarray(logits), {k: jnp.asarray(v) for k, v in batch.items()})
     src = verb = ans = 0.0
     for b in range(len(records)):
         ids = batch["ids"][b]
@@ -88,7 +98,7 @@ def test_verbalization_loss_is_exactly_zero_for_wiki(model):
     batch = featurize(model, [toy_record(i, "wiki") for i in range(4)])
     assert not batch["verb"].any()
     logits = jnp.asarray(RNG.normal(size=(*batch["ids"].shape, model.config.padded_vocab_size)), jnp.float32)
-    terms = jax.jit(losses.stage1_loss)(logits, {k: jnp.asarray(v) for k, v in batch.items()})
+    terms = jax.jit(stage1_from_logits)(logits, {k: jnp.asarray(v) for k, v in batch.items()})
     assert float(terms.parts["verb"]) == 0.0 and float(terms.parts["ans"]) > 0
 
 
@@ -108,8 +118,8 @@ def test_stage2_loss_matches_equations(model):
     lc = RNG.normal(size=(*batch["ids"].shape, v)).astype(np.float32)
     lr = RNG.normal(size=(*batch["ids"].shape, v)).astype(np.float32)
     beta = 0.3
-    terms = jax.jit(losses.stage2_loss, static_argnums=3)(jnp.asarray(lc), jnp.asarray(lr),
-                                                        {k: jnp.asarray(x) for k, x in batch.items()}, beta)
+    terms = jax.jit(stage2_from_logits, static_argnums=3)(jnp.asarray(lc), jnp.asarray(lr),
+                                                         {k: jnp.asarray(x) for k, x in batch.items()}, beta)
     src = dpo = ans = 0.0
     for b, rec in enumerate(records):
         ids, rej = batch["ids"][b], batch["rej_ids"][b]
@@ -129,7 +139,7 @@ def test_stage2_loss_matches_equations(model):
 
 
 def dpo_part(logits_c, logits_r, batch, beta):
-    return losses.stage2_loss(logits_c, logits_r, batch, beta).parts["verb_dpo"]
+    return stage2_from_logits(logits_c, logits_r, batch, beta).parts["verb_dpo"]
 
 
 dpo_grads = jax.jit(jax.grad(dpo_part, argnums=(0, 1)))  # beta traced: one compilation
@@ -208,8 +218,9 @@ def test_text_data_scores_only_the_completion_of_instruction_documents(tiny_hf):
 
 
 def test_packed_documents_see_only_themselves(tiny_hf):
-    """A packed row's logits equal transformers' on each document run alone from position 0 (no
-    cross-document attention, positions restart at every document)."""
+    """A packed row's token log-probs equal transformers' on each document run alone from
+    position 0 (no cross-document attention, positions restart at every document); with
+    `targets`, the head runs at those positions only and gives the same values there, 0 elsewhere."""
     import torch
 
     from jaxrag.train.trainer import forward_fn
@@ -219,10 +230,30 @@ def test_packed_documents_see_only_themselves(tiny_hf):
     ids = np.array([sum(docs, []) + [0, 0]])
     segments = np.array([[k + 1 for k, d in enumerate(docs) for _ in d] + [0, 0]], np.int32)
     graphdef, params = nnx.split(model.decoder)
-    packed = np.asarray(forward_fn(graphdef, params)(jnp.asarray(ids), jnp.asarray(segments)))
+    forward = forward_fn(graphdef, params)
+    packed = np.asarray(forward(jnp.asarray(ids), jnp.asarray(segments)))
     start = 0
     for doc in docs:
         with torch.no_grad():
-            want = ref(torch.tensor([doc])).logits[0].numpy()
-        np.testing.assert_allclose(packed[0, start:start + len(doc), :want.shape[-1]], want, atol=1e-4)
+            want = torch.log_softmax(ref(torch.tensor([doc])).logits[0], -1).numpy()
+        np.testing.assert_allclose(packed[0, start + 1:start + len(doc)],
+                                   want[np.arange(len(doc) - 1), doc[1:]], atol=1e-4)
         start += len(doc)
+    targets = np.array([[3, 5, 6, 12, 0, 0]], np.int32)  # 0 = unused slot
+    at = np.asarray(forward(jnp.asarray(ids), jnp.asarray(segments), jnp.asarray(targets)))
+    on = np.zeros_like(at, bool)
+    on[0, [3, 5, 6, 12]] = True
+    np.testing.assert_allclose(at[on], packed[on], atol=1e-5)
+    assert not at[~on].any()
+
+
+def test_targets_are_every_loss_position(model):
+    """`targets` lists exactly the rows' src / verb / ans positions (rejected: rej_verb's too)."""
+    batch = featurize(model, toy_records(5), pairs=True)
+    for key, masks in (("targets", ("src", "verb", "ans")), ("rej_targets", ("rej_verb",))):
+        for b in range(len(batch["ids"])):
+            listed = {int(t) for t in batch[key][b] if t > 0}
+            wanted = {int(t) for m in masks for t in np.flatnonzero(batch[m][b])}
+            assert wanted <= listed
+            if key == "targets":
+                assert listed == wanted

@@ -137,7 +137,9 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
                                cfg.max_knowledge_tokens) for i in range(n)]
 
     def answer_phase():
-        ids, mask = left_pad([c for c, _ in chunks], klen, batch)
+        # The cache has room for klen; the chunk is only as long as this batch needs (a batch of
+        # Self rows appends a few tokens, not the passage budget).
+        ids, mask = left_pad([c for c, _ in chunks], min(klen, bucket(max(len(c) for c, _ in chunks))), batch)
         st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
         budget[:n] = cfg.max_answer_tokens

@@ -63,11 +63,12 @@ def _extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer=None):
     mask = mask.astype(bool)
     positions = state.next_pos[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     key_mask = jax.lax.dynamic_update_slice(state.key_mask, mask, (0, state.slot))
+    last = jnp.full((ids.shape[0], 1), ids.shape[1] - 1, jnp.int32)
     out = decoder(ids, positions, key_mask, cache=state.cache, cache_index=state.slot,
-                  hidden_layer=hidden_layer)
+                  hidden_layer=hidden_layer, logit_positions=last)
     # Chunks are left-padded, so the last column is each row's newest real token.
     has_tokens = mask.any(axis=1)
-    logits = jnp.where(has_tokens[:, None], out.logits[:, -1], state.logits)
+    logits = jnp.where(has_tokens[:, None], out.logits[:, 0], state.logits)
     new = DecodeState(out.cache, key_mask, state.next_pos + mask.sum(axis=1, dtype=jnp.int32),
                       state.slot + ids.shape[1], logits)
     return new, None if out.hidden is None else out.hidden[:, -1]

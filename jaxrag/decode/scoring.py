@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxrag.decode.sampler import bucket, left_pad
 from jaxrag.models.decoder import Decoder, positions_from_mask
-from jaxrag.train.losses import token_logprobs
+from jaxrag.train.losses import target_logprobs
 
 
 class Scores(NamedTuple):
@@ -25,9 +25,11 @@ class Scores(NamedTuple):
 
 
 @nnx.jit
-def sequence_token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array) -> jax.Array:
-    """ids/mask [batch, seq] -> [batch, seq] log p(ids[:, t] | ids[:, :t]); column 0 is 0."""
-    return token_logprobs(decoder(ids, positions_from_mask(mask), mask).logits, ids)
+def sequence_token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array, targets: jax.Array) -> jax.Array:
+    """ids/mask [batch, seq], targets [batch, k] positions (0 = unused) -> [batch, seq]
+    log p(ids[:, t] | ids[:, :t]) at the targets, 0 elsewhere; the head runs there only."""
+    out = decoder(ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(targets - 1, 0))
+    return target_logprobs(out.logits, ids, targets)
 
 
 def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
@@ -42,8 +44,12 @@ def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence
         rows = [list(p) + list(t) for p, t in zip(prefixes[start:start + batch_size], targets[start:start + batch_size])]
         length = bucket(max(len(r) for r in rows))
         ids, mask = left_pad(rows, length, bucket(len(rows), 1))
-        logp = np.asarray(sequence_token_logprobs(decoder, jnp.asarray(ids), jnp.asarray(mask)))
-        for i, target in enumerate(targets[start:start + batch_size]):
+        part = targets[start:start + batch_size]
+        at = np.zeros((len(ids), min(length, bucket(max(map(len, part)), 1))), np.int32)
+        for i, target in enumerate(part):  # rows are left-padded: a target ends its row
+            at[i, :len(target)] = np.arange(length - len(target), length)
+        logp = np.asarray(sequence_token_logprobs(decoder, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(at)))
+        for i, target in enumerate(part):
             tok = logp[i, length - len(target):] if len(target) else np.zeros(0, np.float32)
             per_token.append(tok)
             totals.append(float(tok.sum()))

@@ -78,8 +78,7 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
     r = retriever(cfg, workdir)
     n_passages = int(cfg.retrieval.n_passages)
 
-    def retrieve(questions):
-        return r.retrieve_texts(questions, n_passages)
+    retrieve = harness.RetrievalCache(lambda qs: r.retrieve_texts(qs, n_passages), harness.questions_of(items), bs)
 
     ev, k, taus = Evaluation(len(val)), int(cfg.inference.k), {}
     base = load(cfg, workdir / "base")

@@ -185,7 +185,7 @@ def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int
 
 
 class DecoderOutput(NamedTuple):
-    logits: jax.Array  # [batch, seq, padded_vocab] float32; padded ids masked
+    logits: jax.Array  # [batch, seq | k, padded_vocab] float32; padded ids masked
     hidden: jax.Array | None  # [batch, seq, hidden] output of the requested layer
     cache: list[KVLayerCache] | None
 
@@ -213,10 +213,14 @@ class Decoder(nnx.Module):
         cache_index: jax.Array | int = 0,
         hidden_layer: int | None = None,
         segment_ids: jax.Array | None = None,  # [batch, seq] int: packed documents (no cache)
+        logit_positions: jax.Array | None = None,  # [batch, k] int
     ) -> DecoderOutput:
         """`hidden_layer` l returns transformers' `hidden_states[l]`: 0 = embeddings, l = output
         of decoder layer l (1-based), num_layers = after the final norm. With `segment_ids`, a
-        token attends only within its own packed document."""
+        token attends only within its own packed document. `logit_positions`: logits [batch, k, v]
+        at those positions only. A prefill needs one column and a loss only its targets; the
+        head over every position is a third of a small model's compute and [t, vocab] floats
+        per row on a big one."""
         cfg, dtype = self.cfg, resolve_dtype(self.cfg.dtype)
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
         cos, sin = rope_cos_sin(cfg.rope, positions, dtype)
@@ -229,6 +233,8 @@ class Decoder(nnx.Module):
                 new_cache.append(layer_cache)
             if hidden_layer == i + 1 and i + 1 < cfg.num_layers:
                 hidden = x
+        if logit_positions is not None:
+            x = jnp.take_along_axis(x, logit_positions[..., None], axis=1)
         x = self.final_norm(x)
         if hidden_layer == cfg.num_layers:
             hidden = x

@@ -223,9 +223,9 @@ class TextEncoder:
         return embedding_space(self.name)
 
     def buckets(self) -> list[int]:
-        """Padded lengths: 16, 32, 48, 64, 96, 128, 192, ... (1.5x steps bound padding waste to
-        50%; a 100-word passage is ~130 tokens and pads to 192, not 256), then max_length."""
-        lengths = sorted({m * 2**p for p in range(4, 12) for m in (2, 3)} | {16})
+        """Padded lengths: 16, 32, 48, 64, 80, 96, 128, 160, 192, ... (steps of at most 1.5x; a
+        100-word passage is 130-160 tokens and pads to 160, not 256), then max_length."""
+        lengths = sorted({16, 32, 48} | {m * 2**p for p in range(4, 12) for m in (4, 5, 6)})
         return [n for n in lengths if n < self.max_length] + [self.max_length]
 
     def _tokenize(self, texts: Sequence[str], pairs: Sequence[str] | None) -> list[list[int]]:
@@ -247,10 +247,11 @@ class TextEncoder:
         """texts (+ optional second segments, e.g. DPR passage text after its title) -> [n, dim].
 
         Texts are sorted by token length inside chunks of `chunk` so each batch pads little; the
-        batch axis is always padded to `batch_size`, so the number of compiled shapes is
-        len(self.buckets()).
+        batch axis is padded to `batch_size` (a power of two below it for fewer texts: a query
+        batch of 16 does not pay for 64 rows), so few shapes compile.
         """
         texts = list(texts)
+        batch_size = min(batch_size, 1 << max(0, (len(texts) - 1).bit_length()))
         if pairs is not None and len(pairs) != len(texts):
             raise JaxragError(f"encode: {len(texts)} texts but {len(pairs)} pairs")
         out = np.empty((len(texts), self.dim), np.float32)

@@ -12,6 +12,8 @@ inference the model itself stops verbalizing); the ans targets cover the answer 
 extra retrieved passages (seeded per epoch and record) for Wiki. Only the knowledge is ever
 truncated to fit `max_length`; truncations are flagged per row (`truncated`) and summed into
 the training metrics. Stage 2 adds the rejected verbalization c_i- as a second sequence.
+`targets` [rows, k] lists each row's target positions (k fixed per dataset) so the losses run
+the model's head there only.
 Inference must build its prompt with the same functions (`prompt_ids`, `knowledge_ids`,
 `answer_prefix_ids`) so that it sees exactly the token ids the model was trained on.
 
@@ -162,6 +164,19 @@ class RecordData:
                                   f"{max_length} (only knowledge is truncated); raise model.max_length")
             if pairs and r.label == SELF and SELF not in r.worst:
                 raise JaxragError(f"{r.where}: field 'worst': a Self example needs a 'self' context for DPO")
+        self.n_targets = self._max_targets()
+
+    def _max_targets(self) -> int:
+        """Static width of `targets`: the most target positions any row can have (<s>, the
+        verbalization and its <EOK>, the answer), rounded up to a multiple of 8."""
+        verbalized = [(i, r.best[SELF]) for i, r in enumerate(self.records) if r.label == SELF]
+        if self.pairs:
+            verbalized += [(i, r.worst[SELF]) for i, r in enumerate(self.records) if r.label == SELF]
+        longest = [1 + len(a) for a in self.answers]
+        k = knowledge_ids(self.tok, [[self.records[i].contexts[c][1]] for i, c in verbalized]) if verbalized else []
+        for (i, _), ids in zip(verbalized, k):
+            longest[i] = max(longest[i], 2 + len(ids) + len(self.answers[i]))
+        return min(self.max_length, -(-max(longest) // 8) * 8)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -207,7 +222,7 @@ class RecordData:
             # (verb mask 0, `dpo` 0), keeping the batch shape static.
             rejected = [next(it) if s else c for s, c in zip(is_self, chosen)]
             rej = self._pack(rejected, indices)
-            out.update(rej_ids=rej["ids"], rej_mask=rej["mask"], rej_verb=rej["verb"])
+            out.update(rej_ids=rej["ids"], rej_mask=rej["mask"], rej_verb=rej["verb"], rej_targets=rej["targets"])
             out["dpo"] = self._scatter(indices, [float(s) for s in is_self])
             ref = self.ref if self.ref is not None else np.zeros((len(self), 2), np.float32)
             out["ref_chosen"] = np.where(indices >= 0, ref[indices, 0], 0).astype(np.float32)
@@ -226,12 +241,15 @@ class RecordData:
         mask = np.zeros((n, t), bool)
         mask[:, 0] = True  # padding rows keep one visible token: no fully masked attention row
         seg = {k: np.zeros((n, t), np.float32) for k in ("src", "verb", "ans")}
+        targets = np.zeros((n, self.n_targets), np.int32)
         for b, row in zip(np.flatnonzero(indices >= 0), rows):
             ids[b, :len(row.ids)], mask[b, :len(row.ids)] = row.ids, True
             seg["src"][b, row.src] = 1.0
             seg["verb"][b, row.verb[0]:row.verb[1]] = 1.0
             seg["ans"][b, row.ans[0]:row.ans[1]] = 1.0
-        return {"ids": ids, "mask": mask, **seg}
+            at = [row.src, *range(*row.verb), *range(*row.ans)]
+            targets[b, :len(at)] = at
+        return {"ids": ids, "mask": mask, "targets": targets, **seg}
 
 
 def pack_documents(docs: list[tuple[list[int], list[bool]]], max_length: int,

@@ -4,16 +4,20 @@ Every loss returns `LossTerms` of *sums* over the batch and the count they are a
 a gradient-accumulated step divides the summed micro-batch terms by the global count and equals
 the full-batch step exactly. The reported loss is `total / count`.
 
-Sequence log-probabilities are sums of token log-probabilities, as in the equations:
-log p(c | q) = sum_t log p(c_t | q, c_<t). Stage losses average these per-example sums over the
-real examples of the batch (padding rows have `valid = 0`); the LM loss averages over tokens.
-Masks are on *target* positions: `mask[b, t] = 1` scores `ids[b, t]` given `ids[b, :t]`.
+Losses read token log-probabilities lp [b, t], lp[b, t] = log p(ids[b, t] | ids[b, :t]).
+Sequence log-probabilities are their sums, as in the equations: log p(c | q) = sum_t log
+p(c_t | q, c_<t). Stage losses average these per-example sums over the real examples of the batch
+(padding rows have `valid = 0`); the LM loss averages over tokens. Masks are on *target*
+positions: `mask[b, t] = 1` scores `ids[b, t]` given `ids[b, :t]`. The stage objectives have
+the model's head computed at their target positions only (`targets`, see `target_logprobs`):
+a Wiki example's passage is context, never a target.
 
 Batch keys (see `jaxrag.train.batches`): ids [b, t] int, mask [b, t] bool (real tokens) or int
 (segment ids of packed documents, 0 = padding),
 src / verb / ans [b, t] float (segment targets), valid [b] float; stage 2 adds rej_ids,
 rej_mask, rej_verb (the rejected verbalization's sequence), ref_chosen / ref_rejected [b]
-(reference log-probs) and dpo [b] (1 = a Self example).
+(reference log-probs) and dpo [b] (1 = a Self example); targets / rej_targets [b, k] int are the
+positions of every target of a row (0 = an unused slot).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-Forward = Callable[[jax.Array, jax.Array], jax.Array]  # (ids [b, t], mask [b, t]) -> logits [b, t, v]
+# (ids [b, t], mask [b, t], targets [b, k] or None = every position) -> token log-probs [b, t],
+# 0 off the targets
+Forward = Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
 class LossTerms(NamedTuple):
@@ -41,23 +47,32 @@ def token_logprobs(logits: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.pad(lp, ((0, 0), (1, 0)))
 
 
+def target_logprobs(logits: jax.Array, ids: jax.Array, targets: jax.Array) -> jax.Array:
+    """`token_logprobs` from the logits at the target positions only: logits [b, k, v] taken at
+    positions targets - 1, ids [b, t], targets [b, k] (0 = unused slot) -> [b, t], 0 off target."""
+    logits = logits.astype(jnp.float32)
+    target = jnp.take_along_axis(logits, jnp.take_along_axis(ids, targets, axis=1)[..., None], axis=-1)[..., 0]
+    lp = jnp.where(targets > 0, target - jax.nn.logsumexp(logits, axis=-1), 0.0)
+    return jnp.zeros(ids.shape, jnp.float32).at[jnp.arange(ids.shape[0])[:, None], targets].add(lp)
+
+
 def sequence_logprob(token_lp: jax.Array, mask: jax.Array) -> jax.Array:
     """[b, t] token log-probs, [b, t] target mask -> [b] log p(masked segment | its prefix)."""
     return jnp.sum(token_lp * mask.astype(token_lp.dtype), axis=-1)
 
 
-def lm_loss(logits: jax.Array, ids: jax.Array, loss_mask: jax.Array) -> LossTerms:
+def lm_loss(lp: jax.Array, loss_mask: jax.Array) -> LossTerms:
     """Next-token cross-entropy for pretraining the tiny base model:
 
         L_LM = -(1 / N) sum_{b,t} m_{b,t} log p(x_{b,t} | x_{b,<t}),   N = sum_{b,t} m_{b,t}
 
-    logits [b, t, v], ids [b, t], loss_mask [b, t] (position 0 is never a target)."""
+    lp [b, t] token log-probs, loss_mask [b, t] (position 0 is never a target)."""
     mask = loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
-    nll = -jnp.sum(token_logprobs(logits, ids) * mask)
+    nll = -jnp.sum(lp * mask)
     return LossTerms(nll, jnp.sum(mask), {"lm": nll})
 
 
-def stage1_loss(logits: jax.Array, batch: dict) -> LossTerms:
+def stage1_loss(lp: jax.Array, batch: dict) -> LossTerms:
     """SR-RAG stage 1 (Eq. 1-4), one sequence `q <EOQ><s> c <EOK> Answer: a` per example:
 
         L_src  = -log p_M(<s> | q)                                     (1)
@@ -66,8 +81,7 @@ def stage1_loss(logits: jax.Array, batch: dict) -> LossTerms:
         L_stage1 = L_src + L_verb + L_ans, averaged over examples       (4)
 
     The featurizer zeroes `verb` on Wiki examples, so L_verb is exactly 0 for them.
-    logits [b, t, v]; batch: ids, src, verb, ans [b, t], valid [b]."""
-    lp = token_logprobs(logits, batch["ids"])
+    lp [b, t] token log-probs; batch: src, verb, ans [b, t], valid [b]."""
     valid = batch["valid"].astype(jnp.float32)
     parts = {name: -jnp.sum(valid * sequence_logprob(lp, batch[name])) for name in ("src", "verb", "ans")}
     return LossTerms(parts["src"] + parts["verb"] + parts["ans"], jnp.sum(valid), parts)
@@ -82,16 +96,14 @@ def dpo_loss(policy_chosen: jax.Array, policy_rejected: jax.Array, ref_chosen: j
     return -jax.nn.log_sigmoid(beta * margin)
 
 
-def stage2_loss(logits_chosen: jax.Array, logits_rejected: jax.Array, batch: dict, beta: float) -> LossTerms:
+def stage2_loss(lp: jax.Array, lp_rej: jax.Array, batch: dict, beta: float) -> LossTerms:
     """SR-RAG stage 2 (Eq. 5-6): L_src + L_verb^DPO + L_ans, averaged over examples.
 
     L_src and L_ans are Eq. 1 and 3 on the chosen sequence (c_i+ for Self, c_e+ for Wiki);
     L_verb^DPO is `dpo_loss` on (c_i+, c_i-) for Self examples and 0 for Wiki examples, with the
     reference log-probs precomputed once by the frozen stage-1 model.
-    logits_* [b, t, v]; batch: ids, rej_ids, src, verb, rej_verb, ans [b, t]; valid, dpo,
-    ref_chosen, ref_rejected [b]."""
-    lp = token_logprobs(logits_chosen, batch["ids"])
-    lp_rej = token_logprobs(logits_rejected, batch["rej_ids"])
+    lp / lp_rej [b, t] token log-probs of the chosen / rejected sequences; batch: src, verb,
+    rej_verb, ans [b, t]; valid, dpo, ref_chosen, ref_rejected [b]."""
     valid = batch["valid"].astype(jnp.float32)
     verb = dpo_loss(sequence_logprob(lp, batch["verb"]), sequence_logprob(lp_rej, batch["rej_verb"]),
                     batch["ref_chosen"], batch["ref_rejected"], beta)
@@ -104,26 +116,24 @@ def stage2_loss(logits_chosen: jax.Array, logits_rejected: jax.Array, batch: dic
 # Objectives: how each task runs the model on its batch and scores it.
 
 def lm_objective(forward: Forward, batch: dict) -> LossTerms:
-    return lm_loss(forward(batch["ids"], batch["mask"]), batch["ids"], batch["loss_mask"])
+    return lm_loss(forward(batch["ids"], batch["mask"], None), batch["loss_mask"])
 
 
 def stage1_objective(forward: Forward, batch: dict) -> LossTerms:
-    return stage1_loss(forward(batch["ids"], batch["mask"]), batch)
+    return stage1_loss(forward(batch["ids"], batch["mask"], batch["targets"]), batch)
 
 
 def stage2_objective(beta: float) -> Callable[[Forward, dict], LossTerms]:
     def objective(forward: Forward, batch: dict) -> LossTerms:
         # Chosen and rejected sequences in one forward pass of twice the batch.
-        logits = forward(jnp.concatenate([batch["ids"], batch["rej_ids"]]),
-                         jnp.concatenate([batch["mask"], batch["rej_mask"]]))
+        lp = forward(*(jnp.concatenate([batch[k], batch[f"rej_{k}"]]) for k in ("ids", "mask", "targets")))
         b = batch["ids"].shape[0]
-        return stage2_loss(logits[:b], logits[b:], batch, beta)
+        return stage2_loss(lp[:b], lp[b:], batch, beta)
     return objective
 
 
 def verbalization_logprobs(forward: Forward, batch: dict) -> jax.Array:
     """[2, b]: log p(c_i+ | q) and log p(c_i- | q) for the reference model (0 for Wiki rows)."""
-    chosen = sequence_logprob(token_logprobs(forward(batch["ids"], batch["mask"]), batch["ids"]), batch["verb"])
-    rejected = sequence_logprob(token_logprobs(forward(batch["rej_ids"], batch["rej_mask"]), batch["rej_ids"]),
-                                batch["rej_verb"])
+    chosen = sequence_logprob(forward(batch["ids"], batch["mask"], batch["targets"]), batch["verb"])
+    rejected = sequence_logprob(forward(batch["rej_ids"], batch["rej_mask"], batch["rej_targets"]), batch["rej_verb"])
     return jnp.stack([chosen, rejected])

@@ -32,7 +32,7 @@ from jaxrag import sharding
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import Decoder, positions_from_segments
 from jaxrag.train.checkpoint import Checkpoints, abstract_like
-from jaxrag.train.losses import Forward, LossTerms
+from jaxrag.train.losses import Forward, LossTerms, target_logprobs, token_logprobs
 from jaxrag.train.metrics import MetricsLogger
 
 Objective = Callable[[Forward, dict], LossTerms]
@@ -91,12 +91,16 @@ def accumulation_steps(spec: TrainSpec, mesh) -> int:
 
 
 def forward_fn(graphdef, params) -> Forward:
-    """`mask` [b, t]: bool (real tokens) or int segment ids of packed documents (0 = padding)."""
+    """`mask` [b, t]: bool (real tokens) or int segment ids of packed documents (0 = padding);
+    `targets` [b, k]: the positions to score (the head runs there only), or None for all."""
     model = nnx.merge(graphdef, params)
 
-    def forward(ids, mask):
+    def forward(ids, mask, targets=None):
         segments = mask.astype(jnp.int32)
-        return model(ids, positions_from_segments(segments), segments > 0, segment_ids=segments).logits
+        at = None if targets is None else jnp.maximum(targets - 1, 0)  # the logits at t - 1 predict ids[t]
+        logits = model(ids, positions_from_segments(segments), segments > 0, segment_ids=segments,
+                       logit_positions=at).logits
+        return token_logprobs(logits, ids) if targets is None else target_logprobs(logits, ids, targets)
     return forward
 
 
