@@ -136,3 +136,30 @@ def test_bad_requests(model):
         route(model, QUESTIONS[:1], always("web"), retrieve, CFG)
     with pytest.raises(JaxragError, match="every Wiki row needs passages"):
         route(model, QUESTIONS[:1], always("wiki"), lambda qs: [[]], CFG)
+
+
+def test_eval_paths_retrieve_each_question_once(model):
+    """The harness's RetrievalCache retrieves each distinct question once; routed paths read it
+    (no more calls) and charge each Wiki row the cached time as T_r."""
+    from jaxrag.data.schema import QAExample
+    from jaxrag.eval.harness import RetrievalCache, routed_paths
+
+    calls = []
+
+    def counting(questions):
+        calls.append(list(questions))
+        return retrieve(questions)
+
+    cache = RetrievalCache(counting, QUESTIONS + QUESTIONS[:2], batch_size=3)
+    assert sorted(sum(calls, [])) == sorted(QUESTIONS) and len(calls) == 2
+    assert cache(QUESTIONS[::-1]) == retrieve(QUESTIONS[::-1])
+    assert all(cache.seconds[q] > 0 for q in QUESTIONS)
+    cache.seconds.update({q: 10.0 + i for i, q in enumerate(QUESTIONS)})  # unmistakable
+    items = [("popqa", QAExample(f"q{i}", q, ("fox",))) for i, q in enumerate(QUESTIONS)]
+    paths = routed_paths(model, items, cache, CFG, batch_size=4)
+    assert len(calls) == 2
+    for i, q in enumerate(QUESTIONS):
+        assert 10.0 + i < paths.latency["wiki"][i] < 11.0 + i
+        assert paths.latency["self"][i] < 1.0
+        direct = route(model, [q], always("wiki"), retrieve, CFG)[0]
+        assert paths.answers["wiki"][i] == direct.answer

@@ -60,10 +60,9 @@ class Paths:
 
 
 class RetrievalCache:
-    """`retrieve` run once over a fixed question set, in batches of the decoding batch size;
-    serves every method's Wiki path. `seconds[q]` = q's share of its batch's measured time.
-    (Interleaving the retriever's encoder with decoding also slowed the decoder's phases ~2x on
-    CPU, which would have been charged to every Wiki path.)"""
+    """`retrieve` run once over a fixed question set, in batches of the decoding batch size:
+    the five models' Wiki paths read the same passages for the same questions. `seconds[q]` =
+    q's share of its batch's measured time."""
 
     def __init__(self, retrieve: Retrieve, questions: Sequence[str], batch_size: int):
         self.passages: dict[str, list[str]] = {}
