@@ -34,7 +34,8 @@ def _answers(model, prompts: list[str], max_new: int = 6, batch_size: int = 32) 
 
 
 def states_answer(documents: list[str], golds: list[str]) -> float:
-    """Fraction of documents whose normalized words contain the normalized gold answer."""
+    """Fraction of documents whose normalized words contain the normalized gold answer (whole
+    words, unlike `metrics.substring_match`: a document naming "Parisville" does not state "Paris")."""
     hits = [f" {normalize_answer(g)} " in f" {normalize_answer(d)} " for d, g in zip(documents, golds)]
     return sum(hits) / max(1, len(hits))
 
