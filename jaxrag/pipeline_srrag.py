@@ -6,8 +6,8 @@ Each is `(config, workdir) -> artifact` and reads only earlier stages' artifacts
     stage1/model   SR-RAG stage 1 (Eq. 1-4) from the base model
     stage2/model   SR-RAG stage 2 (Eq. 5-6, DPO), reference = stage 1
     datastore/     policy datastore of the final model (§3.4)
-    baselines/     Selective RAG (sources {none, wiki}), the w/o-kv-label model, and the
-                   datastores of the ablations (w/o DPO = stage 1; w/o kv label)
+    baselines/     Selective RAG (sources {none, wiki}), the w/o-kv-label and w/o-DPO models
+                   (the latter: stage 2 with the stage-1 loss) and their datastores
 """
 
 from __future__ import annotations
@@ -31,33 +31,32 @@ def is_embedded(cfg: ConfigDict) -> bool:
 
 def dataset_items(cfg: ConfigDict, workdir: Path, names, split: str) -> list[tuple[str, QAExample]]:
     """(dataset, example) pairs: the world's splits, or the paper's data via `data.loaders`
-    (`--config.data.paths.NAME=/path`, or by hub name when online)."""
+    (`--config.data.paths.NAME=/path`, or by hub name when online). Real training datasets: the
+    `train` / `validation` splits are Table 5's counts drawn from the public train split."""
     items = []
     for name in names:
         if is_embedded(cfg):
             examples = read_examples(workdir / "world" / "datasets" / name / f"{split}.jsonl")
         else:
             from jaxrag.data.loaders import load_dataset_examples
+            from jaxrag.data.mixture import mixture_split
 
-            examples = load_dataset_examples(name, cfg.data.paths.get(name) or None, split)
+            if name in cfg.data.train:
+                pool = load_dataset_examples(name, cfg.data.paths.get(name) or None)
+                train, val = mixture_split(pool, int(cfg.data.train_sizes[name]),
+                                           int(cfg.data.validation_sizes[name]), int(cfg.seed), name)
+                examples = {"train": train, "validation": val}[split]
+            else:
+                examples = load_dataset_examples(name, cfg.data.paths.get(name) or None, split)
         items += [(name, ex) for ex in examples]
     return items
 
 
 def eval_items(cfg: ConfigDict, workdir: Path) -> tuple[list, list]:
-    """(validation, test) items of the evaluation sets. Real data: the paper's test sets have no
-    validation split, so `data.validation_size` seeded-random questions per set are held out."""
-    if is_embedded(cfg):
-        return (dataset_items(cfg, workdir, cfg.data.eval, "validation"),
-                dataset_items(cfg, workdir, cfg.data.eval, "test"))
-    val, test = [], []
-    for name in cfg.data.eval:
-        items = dataset_items(cfg, workdir, [name], "test")
-        order = np.random.default_rng([int(cfg.seed), len(items)]).permutation(len(items))
-        n = int(cfg.data.validation_size)
-        val += [items[i] for i in order[:n]]
-        test += [items[i] for i in sorted(order[n:])]
-    return val, test
+    """(validation, test) items: validation = the training mixture's validation split (Table 5),
+    never a test question; test = the evaluation sets whole."""
+    return (dataset_items(cfg, workdir, cfg.data.train, "validation"),
+            dataset_items(cfg, workdir, cfg.data.eval, "test"))
 
 
 def load(cfg: ConfigDict, path: Path):
@@ -193,10 +192,11 @@ def route_config(cfg: ConfigDict):
 
 def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
     """Selective RAG (stage 1 on retrieval-vs-nothing labels, sources {wiki, none}); the w/o kv
-    label model (stages 1 and 2 on no-context labels) and its datastore; the w/o DPO datastore
-    (the stage-1 model's own). Each piece resumes on its own; `done.json` is written last."""
+    label model (stages 1 and 2 on no-context labels) and its datastore; the w/o DPO model (stage
+    2 run with the stage-1 loss, as the paper ablates it) and its datastore. Each piece resumes on
+    its own; `done.json` is written last."""
     from jaxrag.models.model import add_special_tokens
-    from jaxrag.train.stages import train_stage1, train_stage2
+    from jaxrag.train.stages import train_stage1, train_stage2, train_stage2_no_dpo
 
     out, records = workdir / "baselines", construct_records(workdir)
     base = workdir / "base"
@@ -206,11 +206,12 @@ def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
     train_stage1(load(cfg, base), no_kv, cfg, out / "no_kv_label_stage1")
     ref = load(cfg, out / "no_kv_label_stage1" / FINAL)
     train_stage2(load(cfg, out / "no_kv_label_stage1" / FINAL), ref, no_kv, cfg, out / "no_kv_label")
-    for name, model_dir in (("no_kv_label", out / "no_kv_label" / FINAL), ("no_dpo", workdir / "stage1" / FINAL)):
+    train_stage2_no_dpo(load(cfg, workdir / "stage1" / FINAL), records, cfg, out / "no_dpo")
+    for name in ("no_kv_label", "no_dpo"):
         if not (out / f"{name}_datastore").is_dir():
-            build_policy_datastore(cfg, model_dir, records, out / f"{name}_datastore")
+            build_policy_datastore(cfg, out / name / FINAL, records, out / f"{name}_datastore")
     tmp = out / "done.json.tmp"
-    tmp.write_text(json.dumps({"selective": "selective", "no_kv_label": "no_kv_label"}) + "\n")
+    tmp.write_text(json.dumps({"selective": "selective", "no_kv_label": "no_kv_label", "no_dpo": "no_dpo"}) + "\n")
     os.replace(tmp, out / "done.json")
     return out
 

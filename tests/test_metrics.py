@@ -140,8 +140,13 @@ def test_source_selection_accuracy_and_auroc():
     retrieved_scores = [1, 1, 0, 0, 1]
     # retrieval strictly better only on rows 1 and 4 (ties prefer verbalization)
     assert retrieval_preferred(verbalized, retrieved_scores) == [0, 1, 0, 0, 1]
-    decisions = [True, True, False, False, False]  # right on rows 1, 2, 3
-    assert source_selection_accuracy(decisions, verbalized, retrieved_scores) == 3 / 5
+    # Retrieving is right iff ret >= verb, verbalizing iff verb >= ret: a tie is right either way.
+    # Row 0 retrieves on a tie (right), 1 retrieves where retrieval wins (right), 2 verbalizes
+    # where verbalization wins (right), 3 verbalizes on a tie (right), 4 verbalizes and loses.
+    decisions = [True, True, False, False, False]
+    assert source_selection_accuracy(decisions, verbalized, retrieved_scores) == 4 / 5
+    assert source_selection_accuracy([False] * 5, verbalized, retrieved_scores) == 3 / 5  # wrong on 1, 4
+    assert source_selection_accuracy([True] * 5, verbalized, retrieved_scores) == 4 / 5  # wrong on 2
     # positives {0.8, 0.4}, negatives {0.9, 0.3, 0.1}: pairs ranked right = 2 + 2 of 6
     assert auroc([0, 1, 0, 0, 1], [0.9, 0.8, 0.3, 0.1, 0.4]) == pytest.approx(4 / 6)
     assert auroc([1, 0], [0.5, 0.5]) == 0.5  # ties count half

@@ -24,7 +24,7 @@ REPO = Path(__file__).parent.parent
 
 MINI_WORLD = dict(num_persons=60, num_cities=30, num_companies=30, num_bands=20, num_rivers=6,
                   num_event_passages=10, nq_size=20, fever_size=12, obqa_size=8, arc_easy_size=6, wow_size=12,
-                  asqa_size=4, eval_validation_size=4, eval_test_size=10, rc_docs_per_epoch=50,
+                  asqa_size=4, eval_test_size=10, rc_docs_per_epoch=50,
                   rule_qa_per_epoch=30, rule_verbalize_per_epoch=30, vocab_size=1200)
 
 

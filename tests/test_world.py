@@ -116,7 +116,7 @@ def test_dataset_names_and_splits(world):
     for name in TRAIN_SETS:
         assert set(datasets[name]) == {"train", "validation"} and datasets[name]["train"]
     for name in EVAL_SETS:
-        assert set(datasets[name]) == {"validation", "test"}
+        assert set(datasets[name]) == {"test"}  # validation comes from the training mixture only
         assert len(datasets[name]["test"]) == world.config.eval_test_size
 
 

@@ -42,9 +42,9 @@ class RuleItem:
 
 
 def split_sizes(cfg) -> dict[str, dict[str, int]]:
-    """Examples per (dataset, split); eval sets come first, so they get first pick of facts."""
-    sizes = {name: {"test": cfg.eval_test_size, "validation": cfg.eval_validation_size}
-             for name in EVAL_SETS}
+    """Examples per (dataset, split); eval sets come first, so they get first pick of facts.
+    Validation exists for the training mixture only (as the paper's Table 5)."""
+    sizes = {name: {"test": cfg.eval_test_size} for name in EVAL_SETS}
     for name in ("asqa", *(n for n in TRAIN_SETS if n != "asqa")):
         train = getattr(cfg, f"{name}_size")
         sizes[name] = {"validation": max(1, round(train * cfg.validation_fraction)), "train": train}

@@ -205,13 +205,28 @@ def summarize(paths: Paths, d: Decision) -> tuple[dict[str, dict], dict[str, flo
     return per, avg
 
 
-def source_selection(paths: Paths, d: Decision) -> dict[str, float]:
-    """Table 2: accuracy of choosing verbalization iff it scores >= retrieval, and AUROC of the
-    policy's score for "retrieval scores strictly higher"."""
+def source_selection(paths: Paths, d: Decision) -> dict:
+    """Table 2, per dataset and then averaged over datasets (the paper's layout): accuracy of not
+    harming performance when abstaining (`source_selection_accuracy`: ties right either way),
+    and AUROC of the policy's score for "retrieval scores strictly higher than verbalization",
+    labels from the method's own two paths. A dataset where one class is absent has no AUROC;
+    it is left out of the mean and listed in `auroc_left_out`."""
     verb, ret = paths.correct[paths.other], paths.correct[WIKI]
-    out = {"acc_verb_ge_ret": float(source_selection_accuracy(d.retrieve, verb, ret))}
+    names = np.array([name for name, _ in paths.items])
+    per = {}
+    for name in dict.fromkeys(names.tolist()):
+        i = names == name
+        e = {"acc_verb_ge_ret": float(source_selection_accuracy(d.retrieve[i], verb[i], ret[i]))}
+        if d.score is not None:
+            a = auroc((ret[i] > verb[i]).astype(int), d.score[i])
+            e["auroc_ret_gt_verb"] = None if np.isnan(a) else float(a)
+        per[name] = e
+    out = {"acc_verb_ge_ret": float(np.mean([e["acc_verb_ge_ret"] for e in per.values()]))}
     if d.score is not None:
-        out["auroc_ret_gt_verb"] = float(auroc((ret > verb).astype(int), d.score))
+        defined = [e["auroc_ret_gt_verb"] for e in per.values() if e["auroc_ret_gt_verb"] is not None]
+        out["auroc_ret_gt_verb"] = float(np.mean(defined)) if defined else None
+        out["auroc_left_out"] = [n for n, e in per.items() if e["auroc_ret_gt_verb"] is None]
+    out["per_dataset"] = per
     return out
 
 

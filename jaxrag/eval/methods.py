@@ -1,21 +1,26 @@
 """The `eval` stage: the twelve methods of DESIGN.md §5 on the evaluation sets -> `W/results.json`,
-`W/report.md` and `W/plots/`.
+`W/report.md` and `W/plots/`, under the paper's protocol.
 
-Knowledge paths are decoded once per model (`harness`); every method is a decision per question:
+Methods are data (`METHODS`: name -> whose knowledge paths, which decision rule); one loop runs
+them. Knowledge paths are decoded once per model (`harness`); a method is a decision per question.
 
-    untuned model      no_ft_always_rag (always Wiki), no_ft_genread (always GenRead)
-    Selective RAG      selective_always_rag, selective_rag (p_M(<Wiki>) > t)
-    SR-RAG (stage 2)   srrag_always_rag, srrag (p_M * p_D > tau), srrag_no_knn (p_M > tau),
-                       ik, seakr, ccsk (the seeds' selectors, routing the same model's paths)
-    ablations          srrag_no_dpo (stage-1 model + its datastore), srrag_no_kv_label
-
-Every threshold is chosen on the validation questions only (`harness.tune_threshold`); CCSK keeps
-its paper's tau grid optimum. IK, SeaKR and CCSK read the untuned model, as their papers do (the
-LLM whose knowledge they judge), and are trained on the training questions.
+Thresholds (`eval.thresholds`):
+  paper (default)  SR-RAG and its ablations: `inference.tau` on p_M(<Wiki>) * p_D(<Wiki>) (w/o
+                   kNN: on p_M alone); Selective RAG: `inference.selective_tau` on p(<Wiki>) after
+                   <EOQ>; IK: retrieve iff P(know) < 0.5; SeaKR: its threshold searched on
+                   training questions, as its paper does; CCSK: its paper's published taus.
+                   Uniform constants, no dataset-specific or test-set tuning.
+  validation       opt-in variant: every threshold but CCSK's tuned for accuracy on the training
+                   mixture's validation split (never a test question); reported under its name.
+IK, SeaKR and CCSK judge the untuned model's knowledge (as their papers) and route the SR-RAG
+model's paths, so only the selection differs. Accuracy comes from the harness; latency from real
+routed batches (`latency`); every average carries a bootstrap interval and the paper's claimed
+differences a paired one (`stats`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -23,134 +28,209 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxrag.eval import harness
+from jaxrag.errors import JaxragError
+from jaxrag.eval import harness, latency, stats
 from jaxrag.eval.harness import Decision, Paths
-from jaxrag.eval.metrics import score_prediction
-from jaxrag.pipeline_srrag import (
-    FINAL,
-    construct_records,
-    dataset_items,
-    eval_items,
-    load,
-    retriever,
-    route_config,
-)
+from jaxrag.eval.selectors import SeedSelectors
+from jaxrag.models.tokens import WIKI
+from jaxrag.pipeline_srrag import eval_items, load, retriever, route_config
+from jaxrag.policies import always
 from jaxrag.policies import srrag as srrag_policies
-from jaxrag.policies.srrag import datastore_neighbours as neighbours
+
+PAPER_VERSION = ("SR-RAG: Binding Selective Retrieval with Knowledge Verbalization (arXiv 2504.01018, revised "
+                 "text: +7.9/2.1/4.7% over Selective RAG with 26/40/21% fewer retrievals for Llama-2 / Phi-3.5 / Qwen2.5)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    model: str  # whose knowledge paths: untuned | selective | srrag | no_dpo | no_kv_label
+    rule: str  # always_rag | genread | tau | tau_no_knn | selective_tau | ik | seakr | ccsk
+
+
+METHODS = (
+    Method("no_ft_always_rag", "untuned", "always_rag"),
+    Method("no_ft_genread", "untuned", "genread"),
+    Method("selective_always_rag", "selective", "always_rag"),
+    Method("selective_rag", "selective", "selective_tau"),
+    Method("srrag_always_rag", "srrag", "always_rag"),
+    Method("srrag", "srrag", "tau"),
+    Method("srrag_no_knn", "srrag", "tau_no_knn"),
+    Method("ik", "srrag", "ik"),
+    Method("seakr", "srrag", "seakr"),
+    Method("ccsk", "srrag", "ccsk"),
+    Method("srrag_no_dpo", "no_dpo", "tau"),
+    Method("srrag_no_kv_label", "no_kv_label", "tau"),
+)
+# Fine-tuned models in the order they are decoded (one at a time, so a 7B run holds two models:
+# this one and the untuned base the seeds' selectors read): (model dir, policy datastore dir).
+MODELS = {
+    "selective": ("baselines/selective/model", None),
+    "srrag": ("stage2/model", "datastore"),
+    "no_dpo": ("baselines/no_dpo/model", "baselines/no_dpo_datastore"),
+    "no_kv_label": ("baselines/no_kv_label/model", "baselines/no_kv_label_datastore"),
+}
+CONSTANT = {"always_rag": True, "genread": False}
+# The paper's claims: SR-RAG against each of these (paired differences of average accuracy).
+COMPARED = ("selective_rag", "srrag_always_rag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo",
+            "ik", "seakr", "ccsk")
+AUROC_COMPARED = ("srrag_no_knn", "selective_rag")  # Table 2: kNN (and SR-RAG) raise AUROC
+PROTOCOLS = ("paper", "validation")
 
 
 class Evaluation:
-    """Collects each method's test-split numbers into the results.json schema."""
+    """Runs every method's decisions and collects the results.json schema."""
 
-    def __init__(self, n_val: int):
-        self.n_val = n_val
-        self.results = {"datasets": {}, "average": {}, "source_selection": {}, "curves": {}}
+    def __init__(self, cfg: ConfigDict, selectors: SeedSelectors):
+        self.cfg, self.selectors = cfg, selectors
+        self.protocol = str(cfg.eval.thresholds)
+        if self.protocol not in PROTOCOLS:
+            raise JaxragError(f"--config.eval.thresholds={self.protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+        self.bs = int(cfg.inference.batch_size)
+        self.results = {"datasets": {}, "average": {}, "source_selection": {}, "curves": {}, "latency": {}}
+        self.thresholds: dict[str, float] = {}
+        self.correct: dict[str, np.ndarray] = {}
+        self.decisions: dict[str, tuple[Paths, Decision]] = {}
 
-    def split(self, paths: Paths) -> tuple[Paths, Paths]:
-        is_val = np.arange(len(paths.items)) < self.n_val
-        return paths.take(is_val), paths.take(~is_val)
+    def score_policy(self, rule: str, neighbours):
+        """threshold t -> a Policy retrieving iff its score > t (the rules with a threshold)."""
+        if rule == "tau":
+            return lambda t: srrag_policies.srrag_policy(neighbours, t)
+        if rule in ("tau_no_knn", "selective_tau"):
+            return lambda t: srrag_policies.srrag_policy(None, t)
+        return self.selectors.score_policy(rule)
 
-    def add(self, method: str, test: Paths, d: Decision, table2: bool = True) -> None:
+    def paper_threshold(self, rule: str) -> float:
+        inf = self.cfg.inference
+        if rule in ("tau", "tau_no_knn"):
+            return float(inf.tau)
+        if rule == "selective_tau":
+            return float(inf.selective_tau)
+        return self.selectors.paper_threshold(rule)
+
+    def decide(self, m: Method, test: Paths, val: Paths | None, neighbours):
+        """(decision on test, the policy that routes it for real)."""
+        if m.rule in CONSTANT:
+            source = WIKI if CONSTANT[m.rule] else test.other
+            return harness.constant(test, CONSTANT[m.rule]), always(source)
+        if m.rule == "ccsk":
+            policy = self.selectors.ccsk_policy()
+            return harness.decide(policy, test, self.bs), policy
+        make = self.score_policy(m.rule, neighbours)
+        if self.protocol == "paper":
+            t = self.paper_threshold(m.rule)
+        else:
+            t = harness.tune_threshold(harness.decide(make(0.0), val, self.bs).score, val)
+        self.thresholds[m.name] = t
+        d = harness.decide(make(t), test, self.bs)
+        return Decision(d.score > t, d.score, d.seconds), make(t)
+
+    def add(self, m: Method, test: Paths, d: Decision) -> None:
         per, avg = harness.summarize(test, d)
-        for name, stats in per.items():
-            self.results["datasets"].setdefault(name, {})[method] = stats
-        self.results["average"][method] = avg
-        if table2:
-            self.results["source_selection"][method] = harness.source_selection(test, d)
-        print(f"  {method:22s} acc {avg['acc']:.3f}  rag {avg['rag_frac']:.0%}  latency {avg['latency_s']:.3f}s",
+        for name, s in per.items():
+            self.results["datasets"].setdefault(name, {})[m.name] = s
+        self.results["average"][m.name] = avg
+        self.correct[m.name] = np.where(d.retrieve, test.correct[WIKI], test.correct[test.other])
+        self.decisions[m.name] = (test, d)
+        if d.score is not None:
+            self.results["source_selection"][m.name] = harness.source_selection(test, d)
+            self.results["curves"][m.name] = harness.sweep(test, d.score, d.seconds)
+
+    def measured(self, m: Method, model, policy, test: Paths, d: Decision, retrieve, idx: np.ndarray) -> None:
+        """Mixed decisions: latency from real routed batches on the latency questions."""
+        items = [test.items[i] for i in idx]
+        routed = latency.route_items(model, items, policy, retrieve, route_config(self.cfg), self.bs,
+                                     f"{m.name} latency")
+        s = {**latency.summarize(items, routed), **latency.agreement(routed, idx, test, d)}
+        self.results["latency"][m.name] = s
+        self.results["average"][m.name]["latency_s"] = s["latency_s"]
+        for name, e in s["per_dataset"].items():
+            self.results["datasets"][name][m.name]["latency_s"] = e["latency_s"]
+        print(f"  {m.name:22s} acc {self.results['average'][m.name]['acc']:.3f}  "
+              f"rag {self.results['average'][m.name]['rag_frac']:.0%}  latency {s['latency_s']:.4f}s (measured)",
               flush=True)
 
-    def thresholded(self, method: str, policy, paths: Paths, batch_size: int) -> float:
-        """Scores on all questions, t tuned on validation, decisions on test; returns t."""
-        val, test = self.split(paths)
-        d_val, d_test = (harness.decide(policy, p, batch_size) for p in (val, test))
-        t = harness.tune_threshold(d_val.score, val)
-        self.add(method, test, Decision(d_test.score > t, d_test.score, d_test.seconds))
-        self.results["curves"][method] = harness.sweep(test, d_test.score, d_test.seconds)
-        return t
+    def intervals(self, test_items) -> None:
+        """95% bootstrap intervals: each average, and SR-RAG's paired differences."""
+        boot = stats.StratifiedBootstrap([n for n, _ in test_items], int(self.cfg.eval.bootstrap_samples),
+                                         int(self.cfg.seed))
+        for m, c in self.correct.items():
+            self.results["average"][m]["acc_ci95"] = stats.interval(boot.average(c))
+        comp = {f"srrag - {m}": stats.paired_difference(boot, self.correct["srrag"], self.correct[m])
+                for m in COMPARED if m in self.correct and "srrag" in self.correct}
+        self.results["comparisons"] = comp
+        self.results["source_selection_comparisons"] = {
+            f"srrag - {m}": stats.paired_auroc_difference(boot, *self.decisions["srrag"], *self.decisions[m])
+            for m in AUROC_COMPARED if m in self.decisions and "srrag" in self.decisions}
 
 
 def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
     from jaxrag.retrieval.datastore import PolicyDatastore
 
     val, test = eval_items(cfg, workdir)
-    items, bs, rc = val + test, int(cfg.inference.batch_size), route_config(cfg)
+    ev = Evaluation(cfg, SeedSelectors.fit(cfg, workdir))
+    use_val = ev.protocol == "validation"
+    items, bs, rc = test + (val if use_val else []), ev.bs, route_config(cfg)
     r = retriever(cfg, workdir)
     n_passages = int(cfg.retrieval.n_passages)
+    real_retrieve = lambda qs: r.retrieve_texts(qs, n_passages)  # noqa: E731 - latency runs call it for real
+    cached = harness.RetrievalCache(real_retrieve, harness.questions_of(items), bs)
+    idx = latency.latency_indices(test, int(cfg.eval.latency_questions))
+    n_test = len(test)
 
-    retrieve = harness.RetrievalCache(lambda qs: r.retrieve_texts(qs, n_passages), harness.questions_of(items), bs)
+    def split(paths: Paths) -> tuple[Paths, Paths | None]:
+        is_test = np.arange(len(paths.items)) < n_test
+        return paths.take(is_test), (paths.take(~is_test) if use_val else None)
 
-    ev, k, taus = Evaluation(len(val)), int(cfg.inference.k), {}
-    base = load(cfg, workdir / "base")
-
-    _, untuned = ev.split(harness.untuned_paths(base, items, retrieve, rc, bs))
-    ev.add("no_ft_always_rag", untuned, harness.constant(untuned, True), table2=False)
-    ev.add("no_ft_genread", untuned, harness.constant(untuned, False), table2=False)
-
-    selective = harness.routed_paths(load(cfg, workdir / "baselines" / "selective" / FINAL), items, retrieve, rc, bs,
-                                     "selective paths")
-    selective_test = ev.split(selective)[1]
-    ev.add("selective_always_rag", selective_test, harness.constant(selective_test, True), table2=False)
-    taus["selective_rag"] = ev.thresholded("selective_rag", srrag_policies.srrag_policy(None, 0.0), selective, bs)
-
-    srrag = harness.routed_paths(load(cfg, workdir / "stage2" / FINAL), items, retrieve, rc, bs, "SR-RAG paths")
-    srrag_test = ev.split(srrag)[1]
-    ev.add("srrag_always_rag", srrag_test, harness.constant(srrag_test, True), table2=False)
-    datastore = PolicyDatastore.load(workdir / "datastore")
-    taus["srrag"] = ev.thresholded("srrag", srrag_policies.srrag_policy(neighbours(datastore, k), 0.0), srrag, bs)
-    taus["srrag_no_knn"] = ev.thresholded("srrag_no_knn", srrag_policies.srrag_policy(None, 0.0), srrag, bs)
-    for method, model_dir, store in (
-            ("srrag_no_dpo", workdir / "stage1" / FINAL, workdir / "baselines" / "no_dpo_datastore"),
-            ("srrag_no_kv_label", workdir / "baselines" / "no_kv_label" / FINAL,
-             workdir / "baselines" / "no_kv_label_datastore")):
-        paths = harness.routed_paths(load(cfg, model_dir), items, retrieve, rc, bs, f"{method} paths")
-        policy = srrag_policies.srrag_policy(neighbours(PolicyDatastore.load(store), k), 0.0)
-        taus[method] = ev.thresholded(method, policy, paths, bs)
-
-    taus.update(seed_methods(cfg, workdir, base, r.encoder, srrag, ev))
-    ev.results["config"] = {**cfg.to_dict(), "thresholds": taus, "n_validation": len(val), "n_test": len(test)}
-    stats = workdir / "construct" / "stats.json"
-    if stats.is_file():
+    # The untuned model: always-RAG and GenRead on its own prompts (constant decisions).
+    untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs)
+    for m in (m for m in METHODS if m.model == "untuned"):
+        ev.add(m, untuned, ev.decide(m, untuned, None, None)[0])
+    for key, (model_dir, store) in MODELS.items():
+        model = load(cfg, workdir / model_dir)
+        t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths"))
+        nb = None if store is None else srrag_policies.datastore_neighbours(
+            PolicyDatastore.load(workdir / store), int(cfg.inference.k))
+        for m in (m for m in METHODS if m.model == key):
+            d, policy = ev.decide(m, t_paths, v_paths, nb)
+            ev.add(m, t_paths, d)
+            if m.rule not in CONSTANT:
+                ev.measured(m, model, policy, t_paths, d, real_retrieve, idx)
+        if key == "srrag":
+            ev.results["figure4"] = figure4_points(cfg, model, t_paths, ev, nb, real_retrieve, idx)
+        del model
+    ev.intervals(test)
+    ev.results["config"] = {**cfg.to_dict(), "thresholds": {"protocol": ev.protocol, **ev.thresholds,
+                                                            **ev.selectors.fixed_thresholds()},
+                            "paper_version": PAPER_VERSION, "n_validation": len(val), "n_test": n_test,
+                            "n_latency": len(idx), "data_counts": data_counts(test, val, ev.selectors.train_items)}
+    stats_file = workdir / "construct" / "stats.json"
+    if stats_file.is_file():
         from jaxrag.data.construct_stats import stats_markdown
 
-        s = json.loads(stats.read_text())
+        s = json.loads(stats_file.read_text())
         ev.results["construct"] = {"table": stats_markdown(s), "datasets": s.get("datasets", {})}
     return write_results(ev.results, workdir)
 
 
-def seed_methods(cfg: ConfigDict, workdir: Path, base, encoder, srrag: Paths, ev: Evaluation) -> dict:
-    """IK, SeaKR and CCSK, trained on the training questions, routing SR-RAG's paths."""
-    from jaxrag.policies import ccsk, ik, seakr
+def figure4_points(cfg, model, test: Paths, ev: Evaluation, neighbours, retrieve, idx) -> list[dict]:
+    """Figure 4 on the latency questions of PubHealth and TriviaQA (the paper's two), or of every
+    set when those are absent."""
+    names = [test.items[i][0] for i in idx]
+    chosen = idx[np.isin(names, ["pubhealth", "triviaqa"])] if {"pubhealth", "triviaqa"} & set(names) else idx
+    score = ev.decisions["srrag"][1].score[chosen]
+    return latency.figure4(model, [test.items[i] for i in chosen], score, neighbours, retrieve, route_config(cfg),
+                           ev.bs, int(cfg.eval.latency_sweep_points))
 
-    b, bs = cfg.baselines, int(cfg.inference.batch_size)
-    train = dataset_items(cfg, workdir, cfg.data.train, "train")[: int(b.max_train_questions)]
-    questions = [ex.prompt_question() for _, ex in train]
-    # IK's judge label: does the untuned model answer correctly closed-book?
-    answers = ik.closed_book_generations(base, questions, int(cfg.inference.max_answer_tokens))
-    tok = base.tokenizer
-    knows = np.array([score_prediction(name, tok.decode(a[0], skip_special_tokens=True), ex) > 0
-                      for (name, ex), a in zip(train, answers)])
-    taus = {}
-    if 0 < knows.mean() < 1:
-        clf = ik.fit_ik(base, questions, knows, answer_tokens=int(b.ik_answer_tokens))
-        taus["ik"] = ev.thresholded("ik", ik.ik_policy(base, clf, 0.5), srrag, bs)
-    else:  # one class: the classifier's answer is that class for every question
-        print(f"  ik: the untuned model answers {knows.mean():.0%} of the training questions closed-book; "
-              "one judge class, so IK always predicts it", flush=True)
-        _, test = ev.split(srrag)
-        ev.add("ik", test, harness.constant(test, not knows.any()))
-    samples, max_new = int(b.seakr_samples), int(cfg.inference.max_answer_tokens)
-    taus["seakr"] = ev.thresholded("seakr", seakr.seakr_policy(base, 0.0, samples=samples, max_new_tokens=max_new),
-                                   srrag, bs)
-    by_id = {(rec["dataset"], rec["id"]): rec["label"] == "wiki" for rec in construct_records(workdir)}
-    labelled = [(q, by_id[(name, ex.id)], ex.golden_answers[0]) for q, (name, ex) in zip(questions, train)
-                if (name, ex.id) in by_id]
-    fitted = ccsk.fit_ccsk(base, encoder, [q for q, _, _ in labelled], np.array([n for _, n, _ in labelled]),
-                           [a for _, _, a in labelled], max_new_tokens=max_new)
-    _, test = ev.split(srrag)
-    d = harness.decide(ccsk.ccsk_policy(base, encoder, fitted), test, bs)
-    ev.add("ccsk", test, d)
-    return taus
+
+def data_counts(test, val, train) -> dict[str, dict[str, int]]:
+    """Questions used per dataset and split (the paper's Table 5 counts on real data)."""
+    counts: dict[str, dict[str, int]] = {}
+    for split, items in (("train", train), ("validation", val), ("test", test)):
+        for name, _ in items:
+            counts.setdefault(name, {}).setdefault(split, 0)
+            counts[name][split] += 1
+    return counts
 
 
 def write_results(results: dict, workdir: Path) -> Path:

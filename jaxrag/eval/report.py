@@ -76,6 +76,13 @@ def fmt_delta(v: Any, pct: bool = False) -> str:
     return f"{100 * x:+.0f} pp" if pct else f"{x:+.3f}"
 
 
+def fmt_ci(v: Any) -> str:
+    """" [lo, hi]" after a value, or nothing when absent."""
+    if not isinstance(v, (list, tuple)) or len(v) != 2 or any(_num(x) is None for x in v):
+        return ""
+    return f" [{v[0]:.3f}, {v[1]:.3f}]"
+
+
 def _method_order(keys) -> list[str]:
     """Known methods in display order, then any unknown key (a new policy) so nothing is hidden."""
     keys = set(keys)
@@ -110,17 +117,74 @@ def table1(results: dict) -> str:
             e = d.get(m) or {}
             row += [fmt_acc(e.get("acc")), fmt_pct(e.get("rag_frac"))]
         e = average.get(m) or {}
-        rows.append(row + [fmt_acc(e.get("acc")), fmt_pct(e.get("rag_frac")), fmt_latency(e.get("latency_s"))])
+        rows.append(row + [fmt_acc(e.get("acc")) + fmt_ci(e.get("acc_ci95")), fmt_pct(e.get("rag_frac")),
+                           fmt_latency(e.get("latency_s"))])
     return _table(header, rows)
 
 
 def table2(results: dict) -> str:
-    """Source selection: ACC counts a skip as right when verbalization >= retrieval; AUROC scores
-    retrieving only where retrieval is strictly better (paper Table 2's two definitions)."""
-    sel = results.get("source_selection") or {}
-    rows = [[_name(m), fmt_acc(sel[m].get("acc_verb_ge_ret")), fmt_acc(sel[m].get("auroc_ret_gt_verb"))]
-            for m in _method_order(sel) if sel[m]]
-    return _table(["Method", "ACC (verb. ≥ ret.)", "AUROC (ret. > verb.)"], rows) if rows else ""
+    """Source selection per dataset and averaged (paper Table 2): ACC counts a decision as right
+    when it does not harm (verbalize iff verb. >= ret., retrieve iff ret. >= verb.; ties right
+    either way); AUROC ranks the method's score against "retrieval strictly better"."""
+    sel = {m: e for m, e in (results.get("source_selection") or {}).items() if e}
+    if not sel:
+        return ""
+    names = list(dict.fromkeys(n for e in sel.values() for n in (e.get("per_dataset") or {})))
+    out = []
+    for key, title in (("acc_verb_ge_ret", "Accuracy (verbalization ≥ retrieval)"),
+                       ("auroc_ret_gt_verb", "AUROC (retrieval > verbalization)")):
+        rows = [[_name(m)] + [fmt_acc(((e.get("per_dataset") or {}).get(n) or {}).get(key)) for n in names]
+                + [fmt_acc(e.get(key))] for m, e in ((m, sel[m]) for m in _method_order(sel))]
+        out.append(f"{title}\n\n" + _table(["Method", *names, "Average"], rows))
+    left = {m: e["auroc_left_out"] for m, e in sel.items() if e.get("auroc_left_out")}
+    if left:
+        out.append("AUROC averages leave out datasets where one class is absent: "
+                   + "; ".join(f"{_name(m)}: {', '.join(v)}" for m, v in left.items()) + ".\n")
+    return "\n".join(out)
+
+
+def comparisons_table(results: dict) -> str:
+    """The paper's claims as paired differences with 95% bootstrap intervals."""
+    rows = []
+    for section, what in (("comparisons", "average ACC"), ("source_selection_comparisons", "average AUROC")):
+        for key, e in (results.get(section) or {}).items():
+            a, b = key.split(" - ")
+            verdict = "yes" if e.get("significant") else "no (inside the noise)"
+            rows.append([f"{_name(a)} − {_name(b)}", what, fmt_delta(e.get("diff")), fmt_ci(e.get("ci95")).strip(),
+                         verdict])
+    return _table(["Difference", "of", "Δ", "95% CI (paired bootstrap)", "excludes 0"], rows) if rows else ""
+
+
+def latency_table(results: dict) -> str:
+    """Latency measured in real routed batches (App. B.2), with each phase's mean per item and
+    how often the routed run reproduced the harness's decisions and answers."""
+    lat = results.get("latency") or {}
+    rows = [[_name(m), fmt_latency(e.get("latency_s"))] + [fmt_latency((e.get("phases") or {}).get(p))
+                                                           for p in ("T_d", "T_v", "T_r", "T_g")]
+            + [fmt_pct(e.get("rag_frac")), fmt_pct(e.get("decisions_equal_harness")),
+               fmt_pct(e.get("answers_equal_harness")), str(e.get("n", MISSING))]
+            for m, e in ((m, lat[m]) for m in _method_order(lat))]
+    header = ["Method", "Latency / item (s)", "T_d", "T_v", "T_r", "T_g", "% RAG", "same decision", "same answer", "n"]
+    return _table(header, rows) if rows else ""
+
+
+def data_table(results: dict) -> str:
+    counts = (results.get("config") or {}).get("data_counts") or {}
+    rows = [[n, *(str(c.get(s, MISSING)) for s in ("train", "validation", "test"))] for n, c in counts.items()]
+    return _table(["Dataset", "train", "validation", "test"], rows) if rows else ""
+
+
+def protocol_text(results: dict) -> str:
+    config = results.get("config") or {}
+    th = config.get("thresholds") or {}
+    if not th:
+        return ""
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in th.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    text = (f"Thresholds: **{th.get('protocol', '?')}** protocol ({shown}). Intervals: 95% percentile bootstrap "
+            "over test questions, stratified by dataset; differences are paired.")
+    if config.get("paper_version"):
+        text += f" Paper: {config['paper_version']}."
+    return text + "\n"
 
 
 def table3(results: dict) -> str:
@@ -181,10 +245,15 @@ def render_report(results: dict, images: Sequence[str] = ()) -> str:
     if _num(sr.get("acc")) is not None and _num(ar.get("acc")) is not None:
         out.append(f"SR-RAG: average ACC {fmt_acc(sr['acc'])} at {fmt_pct(sr.get('rag_frac'))} RAG, "
                    f"against {fmt_acc(ar['acc'])} for the same fine-tuned model always retrieving.\n")
+    if text := protocol_text(results):
+        out.append(text)
     sections = [
         ("Table 1: answer accuracy and % retrieval", table1(results)),
+        ("The paper's claims: paired differences", comparisons_table(results)),
         ("Table 2: source selection", table2(results)),
         ("Table 3: ablations (average over datasets)", table3(results)),
+        ("Latency, measured in routed batches (App. B.2)", latency_table(results)),
+        ("Data", data_table(results)),
         ("Training data construction", construct_table(results)),
     ]
     out += [f"## {title}\n\n{body}" for title, body in sections if body]
@@ -242,7 +311,9 @@ def _plot_acc_vs_rag(ax, results: dict) -> None:
 def _plot_latency_accuracy(ax, results: dict) -> None:
     """Paper Figure 4: x = proportion verbalized (1 - % RAG) along SR-RAG's tau sweep; accuracy
     on the left axis, latency per item on the right; always-RAG and GenRead as reference points."""
-    curve, avg = (results.get("curves") or {}).get("srrag") or [], results.get("average") or {}
+    # Measured routed batches when the eval ran them (`figure4`), else the harness sweep.
+    curve = results.get("figure4") or (results.get("curves") or {}).get("srrag") or []
+    avg = results.get("average") or {}
     ax2 = ax.twinx()
     xs, acc = _points(curve, "rag_frac", "acc", lambda x: 1 - x)
     lx, lat = _points(curve, "rag_frac", "latency_s", lambda x: 1 - x)

@@ -4,6 +4,7 @@ trained model, which it also saves to `workdir/model` (a finished workdir just l
     train_lm(model, texts, cfg, workdir)                 pretraining (cfg.pretrain)
     train_stage1(model, records, cfg, workdir)           SR-RAG stage 1 (cfg.stage1, Eq. 1-4)
     train_stage2(model, ref_model, records, cfg, workdir) SR-RAG stage 2 (cfg.stage2, Eq. 5-6)
+    train_stage2_no_dpo(model, records, cfg, workdir)    Table 3's w/o DPO (cfg.stage2, stage-1 loss)
 
 Workdir: checkpoints/ (orbax), metrics.jsonl, tensorboard/, model/ (final, jaxrag format);
 stage 2 also ref_logprobs.npy (the frozen reference's log p(c_i+|q), log p(c_i-|q)).
@@ -62,7 +63,7 @@ def train_lm(model: Model, texts, cfg, workdir, *, mesh=None) -> Model:
     if (done := _done(model, workdir)) is not None:
         return done
     section = _section(cfg, "pretrain")
-    spec = TrainSpec.from_section("pretrain", section, int(section.steps), int(cfg.seed))
+    spec = TrainSpec.from_section("pretrain", section, int(section.steps), int(cfg.seed), cfg.model.get("remat", "none"))
     data = TextData(texts, model.tokenizer, int(cfg.model.max_length), int(cfg.seed))
     fingerprint = {"task": "lm", "batch_size": spec.batch_size, "steps": spec.total_steps,
                    "max_length": data.max_length, "seed": spec.seed}
@@ -79,7 +80,7 @@ def _stage_setup(model: Model, records, cfg, name: str, pairs: bool):
     data = RecordData(recs, model.tokenizer, int(cfg.model.max_length),
                       float(section.get("extra_passages_lambda", 0.0)), int(cfg.seed), pairs=pairs)
     steps = int(section.epochs) * math.ceil(len(data) / int(section.batch_size))
-    spec = TrainSpec.from_section(name, section, steps, int(cfg.seed))
+    spec = TrainSpec.from_section(name, section, steps, int(cfg.seed), cfg.model.get("remat", "none"))
     fingerprint = {"task": name, "batch_size": spec.batch_size, "steps": steps, "examples": len(data),
                    "max_length": data.max_length, "seed": spec.seed}
     return data, spec, fingerprint
@@ -87,10 +88,22 @@ def _stage_setup(model: Model, records, cfg, name: str, pairs: bool):
 
 def train_stage1(model: Model, records, cfg, workdir, *, mesh=None) -> Model:
     """Stage 1 (`stage1_loss`): behaviour cloning of source, verbalization and answer."""
+    return _train_stage1_loss(model, records, cfg, workdir, "stage1", mesh)
+
+
+def train_stage2_no_dpo(model: Model, records, cfg, workdir, *, mesh=None) -> Model:
+    """Table 3's "w/o DPO": "L_stage2 is ablated and L_stage1 is kept for stage 2 training" —
+    stage 2's data, steps, learning rate and schedule with the stage-1 loss, from `model` (the
+    stage-1 model)."""
+    return _train_stage1_loss(model, records, cfg, workdir, "stage2", mesh, task="stage2_no_dpo")
+
+
+def _train_stage1_loss(model: Model, records, cfg, workdir, section: str, mesh, task: str | None = None) -> Model:
     workdir = Path(workdir)
     if (done := _done(model, workdir)) is not None:
         return done
-    data, spec, fingerprint = _stage_setup(model, records, cfg, "stage1", pairs=False)
+    data, spec, fingerprint = _stage_setup(model, records, cfg, section, pairs=False)
+    fingerprint["task"] = task or section
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     params = fit(model.decoder, data, losses.stage1_objective, spec, workdir, mesh, fingerprint)
     return _finish(model, model.decoder, params, workdir)

@@ -1,0 +1,106 @@
+"""The seeds' selectors (IK, SeaKR, CCSK), fitted on training questions with their own papers'
+decision rules, for the eval stage.
+
+- IK: logistic probe on the untuned model's question + first answer tokens, judge label "answers
+  correctly closed-book"; retrieve iff P(know) < 0.5 (score 1 - P(know)).
+- SeaKR: uncertainty U(q) from sampled generations; its paper searches the threshold "on a small
+  subset of the training set": the cut that best agrees with the training labels (retrieval
+  preferred, from the construct stage) on `SEAKR_FIT_QUESTIONS` stratified training questions.
+- CCSK: query kNN + response-quality model + fusion, trained on the labelled training questions,
+  deciding with its paper's published taus.
+The training sample (`baselines.max_train_questions`) is stratified over the training datasets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from jaxrag.data.mixture import stratified_sample
+from jaxrag.eval.metrics import score_prediction
+from jaxrag.policies import PolicyDecision, PolicyInputs
+from jaxrag.policies import ccsk as ccsk_mod
+from jaxrag.policies import ik as ik_mod
+from jaxrag.policies import seakr as seakr_mod
+
+SEAKR_FIT_QUESTIONS = 200  # "a small subset of the training set"
+IK_P_KNOW = 0.5  # retrieve iff the probe's P(know) is below one half
+
+
+@dataclasses.dataclass
+class SeedSelectors:
+    cfg: ConfigDict
+    base: object  # the untuned Model whose knowledge the selectors judge
+    encoder: object
+    train_items: list  # every training question (counted in the report)
+    train: list  # the stratified sample they are fitted on
+    ik: object | None  # IKClassifier, or None when the judge labels have one class
+    ik_constant: bool  # with one class: retrieve always (True) or never
+    seakr_threshold: float
+    ccsk: object
+
+    @classmethod
+    def fit(cls, cfg: ConfigDict, workdir) -> SeedSelectors:
+        from jaxrag.pipeline_srrag import construct_records, dataset_items, load, retriever
+
+        b, seed = cfg.baselines, int(cfg.seed)
+        base, encoder = load(cfg, workdir / "base"), retriever(cfg, workdir).encoder
+        train_items = dataset_items(cfg, workdir, cfg.data.train, "train")
+        train = stratified_sample(train_items, int(b.max_train_questions), seed)
+        questions = [ex.prompt_question() for _, ex in train]
+        max_new = int(cfg.inference.max_answer_tokens)
+        # IK's judge label: does the untuned model answer correctly closed-book?
+        answers = ik_mod.closed_book_generations(base, questions, max_new)
+        knows = np.array([score_prediction(name, base.tokenizer.decode(a[0], skip_special_tokens=True), ex) > 0
+                          for (name, ex), a in zip(train, answers)])
+        ik = None
+        if 0 < knows.mean() < 1:
+            ik = ik_mod.fit_ik(base, questions, knows, answer_tokens=int(b.ik_answer_tokens))
+        else:
+            print(f"  ik: the untuned model answers {knows.mean():.0%} of the training questions closed-book; "
+                  "one judge class, so IK always predicts it", flush=True)
+        # Retrieval-preferred labels of the training questions (the construct stage's kv labels).
+        by_id = {(rec["dataset"], rec["id"]): rec["label"] == "wiki" for rec in construct_records(workdir)}
+        labelled = [(item, by_id[(item[0], item[1].id)]) for item in train if (item[0], item[1].id) in by_id]
+        fit_items = {id(it) for it in stratified_sample([it for it, _ in labelled], SEAKR_FIT_QUESTIONS, seed)}
+        fit = [(it, y) for it, y in labelled if id(it) in fit_items]
+        u = seakr_mod.seakr_uncertainty(base, [it[1].prompt_question() for it, _ in fit],
+                                        samples=int(b.seakr_samples), max_new_tokens=max_new)
+        seakr_threshold = seakr_mod.fit_seakr_threshold(u, np.array([y for _, y in fit]))
+        ccsk = ccsk_mod.fit_ccsk(base, encoder, [it[1].prompt_question() for it, _ in labelled],
+                                 np.array([y for _, y in labelled]), [it[1].golden_answers[0] for it, _ in labelled],
+                                 max_new_tokens=max_new)
+        return cls(cfg, base, encoder, train_items, train, ik, not knows.any(), seakr_threshold, ccsk)
+
+    def score_policy(self, rule: str):
+        """threshold t -> a Policy retrieving iff its score > t."""
+        b, max_new = self.cfg.baselines, int(self.cfg.inference.max_answer_tokens)
+        if rule == "ik" and self.ik is not None:
+            return lambda t: ik_mod.ik_policy(self.base, self.ik, 1.0 - t)  # P(know) < 1 - t
+        if rule == "ik":
+            return lambda t: constant_score_policy(float(self.ik_constant), t)
+        if rule == "seakr":
+            return lambda t: seakr_mod.seakr_policy(self.base, t, samples=int(b.seakr_samples), max_new_tokens=max_new)
+        raise ValueError(f"no thresholded selector {rule!r}")
+
+    def paper_threshold(self, rule: str) -> float:
+        return {"ik": 1.0 - IK_P_KNOW, "seakr": self.seakr_threshold}[rule]
+
+    def ccsk_policy(self):
+        return ccsk_mod.ccsk_policy(self.base, self.encoder, self.ccsk)
+
+    def fixed_thresholds(self) -> dict:
+        """The thresholds no protocol tunes, for `config.thresholds`."""
+        return {"ik_p_know": IK_P_KNOW, "seakr_fitted_on_training": self.seakr_threshold,
+                "ccsk": {"tau_pred": ccsk_mod.TAU_PRED, "tau_conf": ccsk_mod.TAU_CONF,
+                         "tau_single": ccsk_mod.TAU_SINGLE}}
+
+
+def constant_score_policy(score: float, t: float):
+    """A selector with one answer for every question (IK when its judge saw one class)."""
+    def policy(inputs: PolicyInputs) -> PolicyDecision:
+        s = np.full(len(inputs.questions), score)
+        return PolicyDecision(ik_mod.retrieve_sources(s > t, inputs.sources), score=s)
+    return policy

@@ -1,0 +1,227 @@
+"""The paper's evaluation protocol: thresholds from the config, validation from the training
+mixture, Table 5 sampling, Table 2 per dataset, the w/o DPO objective, measured latency of a mixed
+batch (injected clock) and bootstrap intervals."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from jaxrag.config import TABLE5_TRAIN, TABLE5_VALIDATION, tiny_config
+from jaxrag.data.mixture import mixture_split, stratified_sample
+from jaxrag.data.schema import QAExample
+from jaxrag.eval import harness, latency, stats
+from jaxrag.eval.harness import Decision, Paths
+from jaxrag.eval.methods import Evaluation, Method
+from jaxrag.models.tokens import SELF, WIKI
+from jaxrag.policies import PolicyDecision, PolicyInputs
+
+
+def make_paths(names, verb, ret, p_wiki=None):
+    items = [(n, QAExample(f"{n}-{i}", f"question {i}?", ("a",))) for i, n in enumerate(names)]
+    n = len(items)
+    p = np.zeros((n, 2)) if p_wiki is None else np.column_stack([p_wiki, 1 - np.asarray(p_wiki)])
+    inputs = PolicyInputs([ex.question for _, ex in items], (WIKI, SELF), p, np.eye(n, 4))
+    return Paths(items, (WIKI, SELF), {SELF: np.asarray(verb, float), WIKI: np.asarray(ret, float)},
+                 {SELF: np.zeros(n), WIKI: np.zeros(n)}, {SELF: ["v"] * n, WIKI: ["r"] * n}, inputs)
+
+
+class NoSelectors:
+    def paper_threshold(self, rule):
+        raise AssertionError(rule)
+
+
+def test_paper_thresholds_come_from_the_config():
+    cfg = tiny_config("qwen2")
+    paths = make_paths(["popqa"] * 4, [0, 0, 0, 0], [1, 1, 1, 1], p_wiki=[0.1, 0.25, 0.5, 0.9])
+    for tau, want in ((0.2, [False, True, True, True]), (0.6, [False, False, False, True])):
+        cfg.inference.tau, cfg.inference.selective_tau = tau, 1.0 - tau
+        ev = Evaluation(cfg, NoSelectors())
+        d, _ = ev.decide(Method("srrag_no_knn", "srrag", "tau_no_knn"), paths, None, None)
+        assert d.retrieve.tolist() == want and ev.thresholds["srrag_no_knn"] == tau
+        # with kNN: p_D = share of Wiki neighbours (here 1 of 2), so the product halves p_M
+        d, _ = ev.decide(Method("srrag", "srrag", "tau"), paths, None, lambda h: np.tile([0, 1], (len(h), 1)))
+        assert d.retrieve.tolist() == (np.array([0.1, 0.25, 0.5, 0.9]) / 2 > tau).tolist()
+        d, _ = ev.decide(Method("selective_rag", "selective", "selective_tau"), paths, None, None)
+        assert ev.thresholds["selective_rag"] == 1.0 - tau
+        assert d.retrieve.tolist() == (np.array([0.1, 0.25, 0.5, 0.9]) > 1.0 - tau).tolist()
+    cfg.eval.thresholds = "tuned"
+    with pytest.raises(Exception, match="eval.thresholds"):
+        Evaluation(cfg, NoSelectors())
+
+
+def test_validation_variant_tunes_on_the_validation_paths_only():
+    cfg = tiny_config("qwen2")
+    cfg.eval.thresholds = "validation"
+    ev = Evaluation(cfg, NoSelectors())
+    # validation: retrieval helps only where p_M(<Wiki>) >= 0.7 -> t lands in [0.3, 0.7)
+    val = make_paths(["nq"] * 4, [1, 1, 0, 0], [0, 0, 1, 1], p_wiki=[0.1, 0.3, 0.7, 0.9])
+    test = make_paths(["popqa"] * 3, [0, 0, 0], [1, 1, 1], p_wiki=[0.2, 0.5, 0.8])
+    d, _ = ev.decide(Method("srrag_no_knn", "srrag", "tau_no_knn"), test, val, None)
+    assert 0.3 <= ev.thresholds["srrag_no_knn"] < 0.7 and d.retrieve.tolist()[::2] == [False, True]
+
+
+def test_mixture_split_counts_disjoint_and_seeded():
+    pool = list(range(1000))
+    train, val = mixture_split(pool, 600, 50, seed=3, name="nq")
+    assert len(train) == 600 and len(val) == 50 and not set(train) & set(val)
+    assert train == sorted(train) and (train, val) == mixture_split(pool, 600, 50, seed=3, name="nq")
+    assert mixture_split(pool, 600, 50, seed=4, name="nq")[1] != val
+    small_train, small_val = mixture_split(pool[:30], 600, 50, seed=3, name="nq")  # validation first
+    assert len(small_val) == 30 and small_train == []
+    assert sum(TABLE5_TRAIN.values()) == 50912 and sum(TABLE5_VALIDATION.values()) == 2677
+
+
+def test_stratified_sample_is_proportional():
+    items = [("wow", i) for i in range(600)] + [("nq", i) for i in range(300)] + [("asqa", i) for i in range(100)]
+    sample = stratified_sample(items, 100, seed=0)
+    counts = {n: sum(1 for m, _ in sample if m == n) for n in ("wow", "nq", "asqa")}
+    assert counts == {"wow": 60, "nq": 30, "asqa": 10}
+    assert sample == sorted(sample, key=items.index)  # input order kept
+    assert len(stratified_sample(items, 7, seed=0)) == 7  # largest remainders fill the rounding gap
+    assert stratified_sample(items[:5], 10, seed=0) == items[:5]
+
+
+def test_validation_comes_from_the_training_mixture(tmp_path):
+    """Real data: validation = Table 5 counts drawn from the training files; no test question."""
+    from jaxrag.config import paper_config
+    from jaxrag.pipeline_srrag import eval_items
+
+    cfg = paper_config("qwen2")
+    cfg.data.train, cfg.data.eval = ["nq", "fever"], ["popqa"]
+    for name, n in (("nq", 40), ("fever", 30), ("popqa", 25)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"id": f"{name}{i}", "question": f"{name} question {i}?",
+                                            "golden_answers": ["true" if name == "fever" else "x"]}) + "\n"
+                                for i in range(n)))
+        cfg.data.paths[name] = str(path)
+    cfg.data.train_sizes.update(nq=20, fever=10)
+    cfg.data.validation_sizes.update(nq=5, fever=4)
+    val, test = eval_items(cfg, tmp_path)
+    assert [n for n, _ in val].count("nq") == 5 and [n for n, _ in val].count("fever") == 4
+    assert len(test) == 25 and {n for n, _ in test} == {"popqa"}  # the test set whole
+    assert not {ex.question for _, ex in val} & {ex.question for _, ex in test}
+
+
+def test_table2_per_dataset_by_hand():
+    # popqa: ret/verb pairs (1,0) (1,1) (0,1) (0,0); arc: only ties -> no AUROC (one class)
+    paths = make_paths(["popqa"] * 4 + ["arc"] * 2, [0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 1, 0])
+    d = Decision(np.array([True, False, False, True, True, False]), np.array([0.9, 0.2, 0.4, 0.1, 0.5, 0.5]))
+    sel = harness.source_selection(paths, d)
+    # popqa: retrieve where ret wins (right), verbalize on a tie (right), verbalize where verb wins
+    # (right), retrieve on a tie (right) -> 1.0; arc: both ties -> right either way -> 1.0
+    assert sel["per_dataset"]["popqa"]["acc_verb_ge_ret"] == 1.0
+    # popqa AUROC: one positive (0.9) above all three negatives -> 1.0; arc has none -> left out
+    assert sel["per_dataset"]["popqa"]["auroc_ret_gt_verb"] == 1.0
+    assert sel["per_dataset"]["arc"]["auroc_ret_gt_verb"] is None and sel["auroc_left_out"] == ["arc"]
+    assert sel["auroc_ret_gt_verb"] == 1.0
+    d2 = Decision(np.array([False, True, True, False, False, True]), np.array([0.1, 0.9, 0.8, 0.7, 0.5, 0.5]))
+    sel2 = harness.source_selection(paths, d2)  # popqa: wrong on rows 0 and 2 -> 0.5; arc: 1.0
+    assert sel2["acc_verb_ge_ret"] == pytest.approx((0.5 + 1.0) / 2)
+    assert sel2["auroc_ret_gt_verb"] == 0.0  # the one positive (0.1) ranks below all three negatives
+
+
+def test_no_dpo_stage_runs_the_stage1_objective(monkeypatch, tmp_path):
+    from jaxrag.train import losses, stages
+
+    seen = {}
+
+    def fake_fit(decoder, data, objective, spec, workdir, mesh, fingerprint):
+        seen.update(objective=objective, spec=spec, fingerprint=fingerprint, pairs=data.pairs)
+        raise StopIteration  # stop before any training: only the wiring is under test
+
+    class FakeData:
+        def __init__(self, recs, tok, max_length, lam, seed, pairs):
+            self.pairs, self.lam, self.max_length = pairs, lam, max_length
+
+        def __len__(self):
+            return 40
+
+    monkeypatch.setattr(stages, "fit", fake_fit)
+    monkeypatch.setattr(stages, "RecordData", FakeData)
+    monkeypatch.setattr(stages, "as_records", lambda records, sources: records)
+    cfg = tiny_config("qwen2")
+    model = type("M", (), {"sources": ("wiki", "self"), "tokenizer": None, "decoder": None})()
+    with pytest.raises(StopIteration):
+        stages.train_stage2_no_dpo(model, [], cfg, tmp_path)
+    assert seen["objective"] is losses.stage1_objective and not seen["pairs"]
+    s2 = cfg.stage2
+    assert seen["spec"].lr == s2.lr and seen["spec"].batch_size == s2.batch_size
+    assert seen["spec"].total_steps == s2.epochs * -(-40 // s2.batch_size)
+    assert seen["fingerprint"]["task"] == "stage2_no_dpo"
+
+
+@pytest.fixture(scope="module")
+def route_model(tmp_path_factory):
+    from hf_fixtures import make_hf_model
+
+    import jaxrag
+    from jaxrag.models.model import add_special_tokens
+
+    out = tmp_path_factory.mktemp("latency")
+    make_hf_model(out, "qwen2", seed=5)
+    return add_special_tokens(jaxrag.load_model(out))
+
+
+def test_mixed_batch_latency_with_an_injected_clock(route_model, monkeypatch):
+    """App. B.2 in one real routed batch: T_d and T_g shared by all 4 rows, T_v by the one Self
+    row, T_r by the three Wiki rows (one batched retrieval)."""
+    from types import SimpleNamespace
+
+    from jaxrag.decode import routing
+    from jaxrag.decode.routing import RouteConfig
+
+    ticks = iter([0, 1, 1, 1.5, 2, 6, 6, 8, 8, 10])  # select, policy, verbalize, retrieve, answer
+    monkeypatch.setattr(routing, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    wiki, self_ = route_model.sources.index(WIKI), route_model.sources.index(SELF)
+    policy = lambda inputs: PolicyDecision(np.array([wiki, self_, wiki, wiki]))  # noqa: E731
+    items = [("popqa", QAExample(str(i), f"who is person {i}?", ("x",))) for i in range(4)]
+    retrieve = lambda qs: [[f"passage on {q}"] for q in qs]  # noqa: E731
+    routed = latency.route_items(route_model, items, policy, retrieve,
+                                 RouteConfig(hidden_layer=1, max_verbal_tokens=4, max_answer_tokens=3), 4, "test")
+    want = [1.5 / 4 + 2 / 3 + 2 / 4, 1.5 / 4 + 4 / 1 + 2 / 4, 1.5 / 4 + 2 / 3 + 2 / 4, 1.5 / 4 + 2 / 3 + 2 / 4]
+    assert [latency.item_seconds(r) for r in routed] == pytest.approx(want)
+    assert [r.source for r in routed] == [WIKI, SELF, WIKI, WIKI]
+    s = latency.summarize(items, routed)
+    assert s["latency_s"] == pytest.approx(np.mean(want)) and s["rag_frac"] == 0.75
+    assert s["phases"]["T_v"] == pytest.approx(4 / 4) and s["phases"]["T_r"] == pytest.approx(3 * (2 / 3) / 4)
+
+
+def test_latency_questions_are_the_first_of_each_set():
+    items = [(n, None) for n in ["a"] * 3 + ["b"] * 5 + ["a"]]
+    assert latency.latency_indices(items, 2).tolist() == [0, 1, 3, 4]
+
+
+def test_bootstrap_interval_matches_scipy_on_one_dataset():
+    from scipy.stats import bootstrap
+
+    rng = np.random.default_rng(0)
+    values = (rng.random(300) < 0.6).astype(float)
+    ours = stats.interval(stats.StratifiedBootstrap(["d"] * 300, 4000, seed=1).average(values))
+    ref = bootstrap((values,), np.mean, n_resamples=4000, method="percentile", random_state=2).confidence_interval
+    assert ours == pytest.approx([ref.low, ref.high], abs=0.01)
+
+
+def test_stratified_average_and_paired_differences():
+    names = ["a"] * 10 + ["b"] * 30
+    a = np.r_[np.ones(10), np.zeros(30)]  # dataset means 1 and 0 -> average 0.5, whatever the draw
+    boot = stats.StratifiedBootstrap(names, 500, seed=0)
+    assert stats.interval(boot.average(a)) == [0.5, 0.5]
+    same = stats.paired_difference(boot, a, a)
+    assert same == {"diff": 0.0, "ci95": [0.0, 0.0], "significant": False}
+    shifted = stats.paired_difference(boot, a, a - 0.25)
+    assert shifted["diff"] == pytest.approx(0.25) and shifted["ci95"] == pytest.approx([0.25, 0.25])
+    assert shifted["significant"]
+    rng = np.random.default_rng(1)
+    noisy = stats.paired_difference(boot, rng.random(40), rng.random(40))
+    assert noisy["ci95"][0] < noisy["diff"] < noisy["ci95"][1]
+
+
+def test_fast_auroc_equals_sklearn():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        labels, scores = rng.random(50) < 0.3, np.round(rng.random(50), 1)  # rounding makes ties
+        assert stats.auroc(labels, scores) == pytest.approx(roc_auc_score(labels, scores))
+    assert np.isnan(stats.auroc(np.ones(3, bool), np.arange(3.0)))
