@@ -1,6 +1,8 @@
 """`python -m jaxrag.convert --hf DIR --out CKPT [--sources wiki self]`
 
-Hugging Face directory (or hub name) -> jaxrag checkpoint with the SR-RAG special tokens added.
+Hugging Face directory (or hub name), or a GGUF file (or a directory holding one; dequantized
+through transformers' GGUF loader, `pip install 'jaxrag[gguf]'`) -> jaxrag checkpoint with the
+SR-RAG special tokens added.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ def _sources(values: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxrag.convert", description=__doc__)
-    parser.add_argument("--hf", required=True, help="HF model directory or hub name")
+    parser.add_argument("--hf", required=True, help="HF model directory, hub name, or GGUF file")
     parser.add_argument("--out", required=True, help="jaxrag checkpoint directory to create")
     parser.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES),
                         help="knowledge sources, one token each (default: wiki self)")

@@ -1,8 +1,8 @@
 """The public model: a decoder + its tokenizer + the HF config it round-trips to.
 
 `load_model(path)` reads either a Hugging Face directory (config.json + safetensors), a hub
-name when the network allows, or a jaxrag checkpoint (orbax params + the same json/tokenizer
-files). `save_model` / `export_hf` write the two formats atomically (temp dir, then rename).
+name when the network allows, a jaxrag checkpoint (orbax params + the same json/tokenizer
+files), or a GGUF file / a directory holding one (`jaxrag.models.gguf`). `save_model` / `export_hf` write the two formats atomically (temp dir, then rename).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import transformers
 from flax import nnx
 
 from jaxrag.errors import JaxragError
-from jaxrag.models import hf
+from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, positions_from_mask, resolve_dtype
 from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, sources_in_tokenizer, srrag_tokens
 
@@ -103,7 +103,9 @@ def _load_tokenizer(model_dir: Path):
 
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:
-    """A local directory, or a hub name downloaded when the network allows."""
+    """A local directory (or GGUF file), or a hub name downloaded when the network allows."""
+    if gguf.find_gguf(path) is not None:
+        return Path(path)
     local = Path(path)
     hub_like = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
     if local.exists() or not hub_like:
@@ -120,7 +122,10 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
 
 
 def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32") -> Model:
-    """HF directory / hub name / jaxrag checkpoint -> Model. `dtype` = compute dtype ('auto' ok)."""
+    """HF directory / hub name / jaxrag checkpoint / GGUF -> Model. `dtype` = compute dtype ('auto' ok)."""
+    if (gguf_file := gguf.find_gguf(path)) is not None:  # dequantized into a temporary HF directory
+        with tempfile.TemporaryDirectory(prefix="jaxrag-gguf-") as tmp:
+            return load_model(gguf.to_hf_dir(gguf_file, Path(tmp) / "hf"), dtype=dtype, param_dtype=param_dtype)
     model_dir = resolve_model_dir(path)
     hf_config = hf.read_hf_config(model_dir)
     cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=param_dtype)

@@ -1,0 +1,131 @@
+"""GGUF files (llama.cpp's format) -> a plain Hugging Face directory, via transformers' GGUF loader.
+
+transformers reads a GGUF file's metadata into an HF config and tokenizer (chat template
+included) and dequantizes every tensor to float32. `to_hf_dir` writes those as config.json,
+safetensors and tokenizer files, so `load_model("model.gguf")` loads a GGUF model through the
+same checks as any other checkpoint. Quantized weights are dequantized once: the jaxrag model
+is a float model with the quantized model's values (its logits equal transformers' own GGUF
+load), not a quantized one.
+
+Families: the GGUF architectures that both transformers and jaxrag's decoder implement, i.e.
+llama, qwen2 and phi3. Needs the optional packages `gguf`, `accelerate` and torch
+(`pip install 'jaxrag[gguf]'`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from jaxrag.errors import JaxragError
+
+SUFFIX = ".gguf"
+# GGUF `general.architecture` -> transformers model_type, for the families jaxrag implements.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3"}
+_DROPPED_CONFIG_KEYS = ("quantization_config", "_name_or_path")  # the export is a plain float model
+
+
+def find_gguf(path) -> Path | None:
+    """`path` if it names a .gguf file; the single .gguf file of a directory that is not an HF
+    directory (no config.json); None otherwise."""
+    p = Path(path)
+    if p.suffix.lower() == SUFFIX:
+        if not p.is_file():
+            raise JaxragError(f"{p}: no such GGUF file")
+        return p
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    files = sorted(f for f in p.iterdir() if f.suffix.lower() == SUFFIX and f.is_file())
+    if len(files) > 1:
+        raise JaxragError(f"{p}: {len(files)} GGUF files ({', '.join(f.name for f in files)}); pass one of them")
+    return files[0] if files else None
+
+
+def _require_packages() -> None:
+    missing = [name for name in ("gguf", "accelerate", "torch") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise JaxragError(f"GGUF import needs the packages {', '.join(missing)}: pip install 'jaxrag[gguf]' "
+                          "(torch: the CPU wheel is enough)")
+
+
+def architecture(path: Path) -> tuple[str, str]:
+    """(GGUF `general.architecture`, `general.name`) from the file's metadata (read, not loaded)."""
+    _require_packages()
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, KeyError, IndexError) as e:  # bad magic, truncated file
+        raise JaxragError(f"{path}: not a readable GGUF file ({e})") from None
+
+    def field(key: str) -> str:
+        f = reader.get_field(key)
+        return "" if f is None else str(f.contents())
+
+    arch = field("general.architecture")
+    if not arch:
+        raise JaxragError(f"{path}: GGUF metadata has no general.architecture")
+    return arch, field("general.name")
+
+
+def check_supported(path: Path) -> str:
+    """The transformers model_type of a GGUF file; a clear error for any other architecture."""
+    arch, name = architecture(path)
+    supported = ", ".join(ARCHITECTURES)
+    # transformers reads a llama-architecture file whose name says mistral as Mistral.
+    if arch not in ARCHITECTURES or (arch == "llama" and "mistral" in name.lower()):
+        shown = "llama (Mistral)" if arch == "llama" else arch
+        raise JaxragError(f"{path}: GGUF architecture {shown!r} is not supported (jaxrag imports {supported})")
+    return ARCHITECTURES[arch]
+
+
+def load_transformers(path) -> tuple:
+    """(torch model, tokenizer) as transformers loads the GGUF file: dequantized to float32."""
+    path = Path(path)
+    check_supported(path)
+    import torch
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (ValueError, OSError, KeyError, NotImplementedError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise JaxragError(f"{path}: transformers could not read this GGUF file ({reason})") from None
+    return model, tokenizer
+
+
+def plain_config(config):
+    """The HF config of a GGUF-loaded model without its GGUF quantization entry, so that
+    `from_pretrained` on the written directory reads plain float safetensors."""
+    import transformers
+
+    values = {k: v for k, v in config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS}
+    return transformers.AutoConfig.for_model(**values)
+
+
+def to_hf_dir(path, out, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Writes the GGUF file `path` as a Hugging Face directory `out`; returns `out`."""
+    model, tokenizer = load_transformers(path)
+    return write_hf_dir(model, tokenizer, out, max_shard_bytes)
+
+
+def write_hf_dir(model, tokenizer, out, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """A GGUF-loaded transformers model + tokenizer -> HF directory `out` (float32 safetensors,
+    config.json, tokenizer files with the chat template).
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so the config (minus its
+    quantization entry) and the dequantized state dict are written directly."""
+    from jaxrag.models.hf import write_hf_tensors
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = plain_config(model.config)
+    config.save_pretrained(out)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tensors = {name: t.detach().numpy() for name, t in model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}
+    write_hf_tensors(tensors, out, max_shard_bytes)
+    tokenizer.save_pretrained(out)
+    return out
