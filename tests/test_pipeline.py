@@ -118,7 +118,20 @@ def test_results_follow_the_shared_schema(workdir):
         assert results["average"][m]["acc"] == pytest.approx(want)
     assert results["average"]["srrag_always_rag"]["rag_frac"] == 1.0
     assert results["average"]["no_ft_genread"]["rag_frac"] == 0.0
-    assert {"acc_verb_ge_ret"} <= set(results["source_selection"]["srrag"])
+    assert {"acc_verb_ge_ret", "auroc_ret_gt_verb", "per_dataset"} <= set(results["source_selection"]["srrag"])
+    # The paper's protocol: fixed thresholds from the config, intervals, measured latency.
+    th = results["config"]["thresholds"]
+    assert th["protocol"] == "paper" and th["srrag"] == mini_config().inference.tau
+    assert th["selective_rag"] == mini_config().inference.selective_tau and th["ik_p_know"] == 0.5
+    for m in methods:
+        lo, hi = results["average"][m]["acc_ci95"]
+        assert lo <= results["average"][m]["acc"] + 1e-9 and results["average"][m]["acc"] <= hi + 1e-9
+    assert {"srrag - selective_rag", "srrag - srrag_always_rag", "srrag - srrag_no_knn", "srrag - srrag_no_dpo",
+            "srrag - srrag_no_kv_label"} <= set(results["comparisons"])
+    assert set(results["latency"]) == {"selective_rag", "srrag", "srrag_no_knn", "srrag_no_dpo", "srrag_no_kv_label",
+                                       "ik", "seakr", "ccsk"}
+    assert results["latency"]["srrag"]["n"] == 4 * 10 and len(results["figure4"]) == 5
+    assert set(results["config"]["data_counts"]["popqa"]) == {"test"}  # validation from the mixture only
 
 
 def test_export_is_the_final_model_in_transformers(workdir):

@@ -39,8 +39,15 @@ def results():
             "srrag_no_knn": m(0.634, 0.75, 0.5),
             "srrag_no_dpo": {"acc": 0.616},
         },
-        "source_selection": {"srrag": {"acc_verb_ge_ret": 0.923, "auroc_ret_gt_verb": 0.57},
-                             "srrag_no_knn": {"acc_verb_ge_ret": 0.912}},
+        "source_selection": {
+            "srrag": {"acc_verb_ge_ret": 0.923, "auroc_ret_gt_verb": 0.57, "auroc_left_out": ["arc"],
+                      "per_dataset": {"popqa": {"acc_verb_ge_ret": 0.959, "auroc_ret_gt_verb": 0.57},
+                                      "arc": {"acc_verb_ge_ret": 0.887, "auroc_ret_gt_verb": None}}},
+            "srrag_no_knn": {"acc_verb_ge_ret": 0.912, "per_dataset": {"popqa": {"acc_verb_ge_ret": 0.9}}}},
+        "comparisons": {"srrag - srrag_always_rag": {"diff": 0.01, "ci95": [-0.004, 0.0242], "significant": False}},
+        "latency": {"srrag": {"latency_s": 0.04567, "phases": {"T_d": 0.001, "T_v": 0.02, "T_r": 0.01, "T_g": 0.03},
+                              "rag_frac": 0.64, "decisions_equal_harness": 1.0, "answers_equal_harness": 0.995,
+                              "n": 400}},
         "curves": {
             "srrag": [{"threshold": t, "rag_frac": r, "acc": a, "latency_s": l}
                       for t, r, a, l in [(0.0, 1.0, 0.63, 1.2), (0.1, 0.64, 0.644, 0.9), (0.5, 0.2, 0.6, 0.5)]],
@@ -79,14 +86,34 @@ def test_table1_cells(results):
 def test_table2_and_table3(results):
     md = render_report(results)
     t2 = _section(md, "Table 2")
-    assert _cells(t2, "SR-RAG") == ["SR-RAG", "0.923", "0.570"]
-    assert _cells(t2, "SR-RAG w/o kNN") == ["SR-RAG w/o kNN", "0.912", "–"]
+    acc, auroc = t2.split("AUROC (retrieval > verbalization)")
+    assert _cells(acc, "Method") == ["Method", "popqa", "arc", "Average"]
+    assert _cells(acc, "SR-RAG") == ["SR-RAG", "0.959", "0.887", "0.923"]
+    assert _cells(acc, "SR-RAG w/o kNN") == ["SR-RAG w/o kNN", "0.900", "–", "0.912"]
+    assert _cells(auroc, "SR-RAG") == ["SR-RAG", "0.570", "–", "0.570"]
+    assert "leave out datasets where one class is absent: SR-RAG: arc" in t2
     t3 = _section(md, "Table 3")
     assert _cells(t3, "SR-RAG") == ["SR-RAG", "0.644", "ref", "64%", "ref"]
     # 0.634 - 0.644 = -0.010; 75% - 64% = +11 points.
     assert _cells(t3, "SR-RAG w/o kNN") == ["SR-RAG w/o kNN", "0.634", "-0.010", "75%", "+11 pp"]
     assert _cells(t3, "SR-RAG w/o DPO") == ["SR-RAG w/o DPO", "0.616", "-0.028", "–", "–"]
     assert "w/o kv label" not in t3 and "fine-tuned" not in t3
+
+
+def test_intervals_comparisons_latency_and_paper(results):
+    results["average"]["srrag"]["acc_ci95"] = [0.6211, 0.667]
+    results["config"]["data_counts"] = {"nq": {"train": 120, "validation": 36}, "popqa": {"test": 200}}
+    md = render_report(results)
+    assert _cells(_section(md, "Table 1"), "SR-RAG")[5] == "0.644 [0.621, 0.667]"
+    diff = _cells(_section(md, "The paper's claims"), "SR-RAG − SR-RAG fine-tuned, always RAG")
+    assert diff[1:] == ["average ACC", "+0.010", "[-0.004, 0.024]", "no (inside the noise)"]
+    lat = _cells(_section(md, "Latency"), "SR-RAG")
+    assert lat == ["SR-RAG", "0.0457", "0.00100", "0.0200", "0.0100", "0.0300", "64%", "100%", "100%", "400"]
+    assert _cells(_section(md, "Data"), "nq") == ["nq", "120", "36", "–"]
+    assert "Beside the paper" not in md  # the embedded world has no paper numbers
+    results["config"]["model"] = {"family": "qwen2", "path": "/data/qwen"}
+    paper = _section(render_report(results), "Beside the paper")
+    assert _cells(paper, "SR-RAG") == ["SR-RAG", "0.686", "67%", "0.644", "64%"]
 
 
 def test_construct_config_and_partial(results):
