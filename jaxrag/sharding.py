@@ -27,6 +27,7 @@ from jaxrag.errors import JaxragError
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the leading (batch) dimension of every input array
 LOGICAL_RULES = (
+    ("layers", None),  # the stacked layers' leading axis: every device holds its slice of each layer
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("q_heads", "tensor"),

@@ -63,10 +63,10 @@ def test_on_8_fake_cpu_devices():
 
 # --- run in the 8-device subprocess ---------------------------------------------------------
 
-def assert_trees_close(got, want, rtol=1e-5):
+def assert_trees_close(got, want, rtol=1e-5, atol=0.0):
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         g, w = np.asarray(g), np.asarray(w)
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * 0.1 * np.abs(w).max(), err_msg=str(path))
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=max(atol, rtol * 0.1 * np.abs(w).max()), err_msg=str(path))
 
 
 def check_sharded_equals_unsharded(model, batch_rows):
@@ -136,16 +136,19 @@ def check_restore_on_another_mesh(model, records):
     shutil.rmtree(root / "b" / "checkpoints" / "4")  # as if killed after step 2's checkpoint
     resumed = stages.train_stage1(model, records, cfg, root / "b", mesh=mesh_b)
     got = nnx.to_pure_dict(nnx.state(resumed.decoder))
-    assert got["layers"][0]["mlp"]["w_up"].sharding.mesh.shape == mesh_b.shape
-    assert_trees_close(jax.device_get(got), jax.device_get(nnx.to_pure_dict(nnx.state(full.decoder))))
+    assert got["layers"]["mlp"]["w_up"].sharding.mesh.shape == mesh_b.shape
+    # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by all
+    # keys), so Adam turns float noise in it into steps of ~lr: weights agree to 1e-3 x lr.
+    assert_trees_close(jax.device_get(got), jax.device_get(nnx.to_pure_dict(nnx.state(full.decoder))), atol=1e-6)
     print("checkpoint from mesh (8,1,1) resumed on mesh (2,2,2): same final parameters")
 
 
 def check_indivisible_axes_are_replicated(model):
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 8})
     specs = sharding.param_shardings(mesh, model.decoder)
-    assert specs["layers"][0]["attn"]["wk"].spec == P("fsdp", None, None)  # 2 KV heads on 8 devices
-    assert specs["layers"][0]["mlp"]["w_up"].spec == P("fsdp", "tensor")  # 64 / 8
+    # The stacked layers' leading axis is never split: a device holds its slice of every layer.
+    assert specs["layers"]["attn"]["wk"].spec == P(None, "fsdp", None, None)  # 2 KV heads on 8 devices
+    assert specs["layers"]["mlp"]["w_up"].spec == P(None, "fsdp", "tensor")  # 64 / 8
     assert specs["embed"].spec == P("tensor", "fsdp")  # padded vocab 512 / 8
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrag.models.decoder import Decoder, KVLayerCache, init_cache
+from jaxrag.models.decoder import Decoder, KVCache, init_cache
 
 NO_TOKEN = -1  # marks "no token generated at this step" in output buffers
 
@@ -36,7 +36,7 @@ class SamplingParams:
 
 
 class DecodeState(NamedTuple):
-    cache: list[KVLayerCache]
+    cache: KVCache  # every layer's keys/values [layers, batch, slots, kv_heads, head_dim]
     key_mask: jax.Array  # [batch, slots] bool: slots holding this row's real tokens
     next_pos: jax.Array  # [batch] int32: position id of each row's next token
     slot: jax.Array  # [] int32: next free cache slot, shared by all rows

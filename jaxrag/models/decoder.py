@@ -7,6 +7,11 @@ families and tensor parallelism can shard heads without cutting across a fused m
 
 Every parameter carries logical axis names (`out_sharding` metadata); `jaxrag.sharding` maps them
 to mesh axes by rules.
+
+The layers are one stacked `Block` (every parameter has a leading `layers` axis) run by
+`jax.lax.scan`, for every model size: XLA compiles one layer once, and under FSDP it gathers,
+uses and frees one layer's weights at a time (and reduce-scatters that layer's gradients inside
+the backward loop). `remat` wraps the scanned layer in `jax.checkpoint` (see `REMAT_POLICIES`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,14 @@ from flax import nnx
 from jaxrag.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
 FAMILIES = ("qwen2", "llama", "phi3")
+# What the backward pass keeps of each layer (`model.remat`): everything ("none"); only the
+# layer's input, recomputing the layer ("block"); or the outputs of the matmuls against weights
+# too ("dots": recomputes norms, activations and attention, not the projections).
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 _MASKED_LOGIT = -1e9  # finite, so 0 * log p stays 0 in losses
 
 
@@ -76,9 +89,21 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
-class KVLayerCache(NamedTuple):
-    k: jax.Array  # [batch, cache_len, kv_heads, head_dim]
+class KVCache(NamedTuple):
+    """All layers' keys and values, stacked: one buffer each, updated in place per step."""
+    k: jax.Array  # [layers, batch, cache_len, kv_heads, head_dim]
     v: jax.Array
+
+
+def attention_implementation(backend: str, dtype, head_dim: int, sliding_window: int | None) -> str:
+    """`jax.nn.dot_product_attention`'s implementation: cuDNN's fused (flash) kernel on GPUs for
+    bf16/fp16 with a head dim it supports (<= 128, a multiple of 8; no sliding window), which
+    never materialises the [b, heads, t, s] probabilities; XLA elsewhere (CPU, TPU, float32).
+    Both get the same boolean mask (cuDNN receives it as an additive bias)."""
+    fused_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if backend == "gpu" and fused_dtype and head_dim <= 128 and head_dim % 8 == 0 and sliding_window is None:
+        return "cudnn"
+    return "xla"
 
 
 class Attention(nnx.Module):
@@ -104,19 +129,21 @@ class Attention(nnx.Module):
             y = y + getattr(self, bias_name)[...].astype(x.dtype)
         return y
 
-    def __call__(self, x, cos, sin, mask, cache: KVLayerCache | None, cache_index):
-        """x [b, t, e]; mask [b, 1, t, s] bool -> ([b, t, e], updated cache or None)."""
+    def __call__(self, x, cos, sin, mask, cache: KVCache | None, layer, cache_index):
+        """x [b, t, e]; mask [b, 1, t, s] bool; `cache` all layers' (this one is `layer`)
+        -> ([b, t, e], updated cache or None)."""
         q = apply_rope(self._project(x, self.wq, "bq"), cos, sin)
         k = apply_rope(self._project(x, self.wk, "bk"), cos, sin)
         v = self._project(x, self.wv, "bv")
         if cache is not None:
-            start = (0, cache_index, 0, 0)
-            cache = KVLayerCache(
-                jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
-                jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
-            )
-            k, v = cache.k.astype(x.dtype), cache.v.astype(x.dtype)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)  # grouped-query aware
+            # Write this chunk's slots of this layer in place, then read the layer's keys.
+            start = (layer, 0, cache_index, 0, 0)
+            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start),
+                            jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start))
+            k = jax.lax.dynamic_index_in_dim(cache.k, layer, keepdims=False).astype(x.dtype)
+            v = jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False).astype(x.dtype)
+        impl = attention_implementation(jax.default_backend(), x.dtype, self.cfg.head_dim, self.cfg.sliding_window)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # grouped-query aware
         y = jnp.einsum("btnh,nhe->bte", out, self.wo[...].astype(x.dtype))
         if self.cfg.o_bias:
             y = y + self.bo[...].astype(x.dtype)
@@ -146,8 +173,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, mask, cache, cache_index):
-        h, cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index)
+    def __call__(self, x, cos, sin, mask, cache, layer, cache_index):
+        h, cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, cache_index)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -187,7 +214,16 @@ def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int
 class DecoderOutput(NamedTuple):
     logits: jax.Array  # [batch, seq | k, padded_vocab] float32; padded ids masked
     hidden: jax.Array | None  # [batch, seq, hidden] output of the requested layer
-    cache: list[KVLayerCache] | None
+    cache: KVCache | None
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose every parameter stacks the given blocks' along a new leading `layers`
+    axis (built from per-layer blocks, so a seed gives the same weights as a layer-by-layer init)."""
+    graphdef, _ = nnx.split(blocks[0])
+    stack = lambda *vs: vs[0].replace(jnp.stack([v[...] for v in vs]), out_sharding=("layers", *vs[0].out_sharding))
+    states = [nnx.state(b) for b in blocks]
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 class Decoder(nnx.Module):
@@ -197,7 +233,7 @@ class Decoder(nnx.Module):
         pd = resolve_dtype(cfg.param_dtype)
         v, e = cfg.padded_vocab_size, cfg.hidden_size
         self.embed = _param(rngs, (v, e), ("vocab", "embed"), pd)
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stack_blocks([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(e, cfg.rms_norm_eps, pd, rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (e, v), ("embed", "vocab"), pd)
@@ -209,30 +245,48 @@ class Decoder(nnx.Module):
         positions: jax.Array,  # [batch, seq] int
         key_mask: jax.Array,  # [batch, keys] bool: keys = seq, or cache length with a cache
         *,
-        cache: list[KVLayerCache] | None = None,
+        cache: KVCache | None = None,
         cache_index: jax.Array | int = 0,
         hidden_layer: int | None = None,
         segment_ids: jax.Array | None = None,  # [batch, seq] int: packed documents (no cache)
         logit_positions: jax.Array | None = None,  # [batch, k] int
+        remat: str = "none",  # a REMAT_POLICIES key: what training's backward pass keeps
+        batch_sharding: jax.sharding.Sharding | None = None,  # of [batch, ...] activations
     ) -> DecoderOutput:
         """`hidden_layer` l returns transformers' `hidden_states[l]`: 0 = embeddings, l = output
         of decoder layer l (1-based), num_layers = after the final norm. With `segment_ids`, a
         token attends only within its own packed document. `logit_positions`: logits [batch, k, v]
         at those positions only. A prefill needs one column and a loss only its targets; the
         head over every position is a third of a small model's compute and [t, vocab] floats
-        per row on a big one."""
+        per row on a big one. `cache` (from `init_cache`) is returned updated. `batch_sharding`
+        pins each layer's input and output to it: inside the scan XLA would otherwise follow the
+        FSDP-sharded weights and keep the (saved) activations unsplit over the batch."""
         cfg, dtype = self.cfg, resolve_dtype(self.cfg.dtype)
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
         cos, sin = rope_cos_sin(cfg.rope, positions, dtype)
         mask = attention_mask_4d(key_mask, input_ids.shape[1], cache_index, cfg.sliding_window, segment_ids)
-        hidden = x if hidden_layer == 0 else None
-        new_cache = [] if cache is not None else None
-        for i, block in enumerate(self.layers):
-            x, layer_cache = block(x, cos, sin, mask, cache[i] if cache else None, cache_index)
-            if cache is not None:
-                new_cache.append(layer_cache)
-            if hidden_layer == i + 1 and i + 1 < cfg.num_layers:
-                hidden = x
+        # A middle layer's output rides along in the carry, picked by the layer index.
+        carry_hidden = hidden_layer is not None and 0 < hidden_layer < cfg.num_layers
+        graphdef, stacked = nnx.split(self.layers)
+
+        def pin(x):
+            return x if batch_sharding is None else jax.lax.with_sharding_constraint(x, batch_sharding)
+
+        def layer(carry, xs):
+            x, kv, hidden = carry
+            i, params = xs
+            x, kv = nnx.merge(graphdef, params)(pin(x), cos, sin, mask, kv, i, cache_index)
+            x = pin(x)
+            if carry_hidden:
+                hidden = jnp.where(i + 1 == hidden_layer, x, hidden)
+            return (x, kv, hidden), None
+
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat {remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+        if remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        hidden = x if hidden_layer == 0 or carry_hidden else None
+        (x, new_cache, hidden), _ = jax.lax.scan(layer, (x, cache, hidden), (jnp.arange(cfg.num_layers), stacked))
         if logit_positions is not None:
             x = jnp.take_along_axis(x, logit_positions[..., None], axis=1)
         x = self.final_norm(x)
@@ -244,8 +298,8 @@ class Decoder(nnx.Module):
         return DecoderOutput(jnp.where(real, logits, _MASKED_LOGIT), hidden, new_cache)
 
 
-def init_cache(cfg: DecoderConfig, batch: int, length: int, dtype=None) -> list[KVLayerCache]:
-    """Zeroed static-shape KV cache, one entry per layer."""
+def init_cache(cfg: DecoderConfig, batch: int, length: int, dtype=None) -> KVCache:
+    """Zeroed static-shape KV cache of every layer [layers, batch, length, kv_heads, head_dim]."""
     dtype = dtype or resolve_dtype(cfg.dtype)
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return [KVLayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

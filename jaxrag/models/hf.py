@@ -112,11 +112,12 @@ def decoder_config(hf: transformers.PretrainedConfig, **overrides) -> DecoderCon
 
 
 # --- tensor layout --------------------------------------------------------------------------
-# A "mapping" pairs an HF tensor name (llama layout) with our param path and the two layout
-# transforms. Phi-3's fused tensors are split into/joined from the llama layout around it.
+# A "mapping" pairs an HF tensor name (llama layout) with our param path, the layer it fills in
+# our stacked layer params (None outside the layers) and the two layout transforms. Phi-3's
+# fused tensors are split into/joined from the llama layout around it.
 
 
-def _mappings(cfg: DecoderConfig) -> Iterator[tuple[str, tuple, Callable, Callable]]:
+def _mappings(cfg: DecoderConfig) -> Iterator[tuple[str, tuple, int | None, Callable, Callable]]:
     e, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     ident = (lambda w: w, lambda w: w)
     linear = (lambda w: w.T, lambda w: w.T)  # torch Linear [out, in] <-> our [in, out]
@@ -128,23 +129,24 @@ def _mappings(cfg: DecoderConfig) -> Iterator[tuple[str, tuple, Callable, Callab
         return (lambda b: b.reshape(count, h), lambda b: b.reshape(count * h))
 
     out_proj = (lambda w: w.T.reshape(n, h, e), lambda w: w.reshape(n * h, e).T)
-    yield "model.embed_tokens.weight", ("embed",), *ident
-    yield "model.norm.weight", ("final_norm", "scale"), *ident
+    yield "model.embed_tokens.weight", ("embed",), None, *ident
+    yield "model.norm.weight", ("final_norm", "scale"), None, *ident
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", ("lm_head",), *linear
+        yield "lm_head.weight", ("lm_head",), None, *linear
+    at = ("layers", "attn")
     for i in range(cfg.num_layers):
-        p, at = f"model.layers.{i}.", ("layers", i, "attn")
-        yield p + "input_layernorm.weight", ("layers", i, "attn_norm", "scale"), *ident
-        yield p + "post_attention_layernorm.weight", ("layers", i, "mlp_norm", "scale"), *ident
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", ("layers", "attn_norm", "scale"), i, *ident
+        yield p + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), i, *ident
         for name, ours, count in (("q", "q", n), ("k", "k", kv), ("v", "v", kv)):
-            yield p + f"self_attn.{name}_proj.weight", (*at, f"w{ours}"), *heads_in(count)
+            yield p + f"self_attn.{name}_proj.weight", (*at, f"w{ours}"), i, *heads_in(count)
             if cfg.qkv_bias:
-                yield p + f"self_attn.{name}_proj.bias", (*at, f"b{ours}"), *heads_bias(count)
-        yield p + "self_attn.o_proj.weight", (*at, "wo"), *out_proj
+                yield p + f"self_attn.{name}_proj.bias", (*at, f"b{ours}"), i, *heads_bias(count)
+        yield p + "self_attn.o_proj.weight", (*at, "wo"), i, *out_proj
         if cfg.o_bias:
-            yield p + "self_attn.o_proj.bias", (*at, "bo"), *ident
+            yield p + "self_attn.o_proj.bias", (*at, "bo"), i, *ident
         for name in ("gate", "up", "down"):
-            yield p + f"mlp.{name}_proj.weight", ("layers", i, "mlp", f"w_{name}"), *linear
+            yield p + f"mlp.{name}_proj.weight", ("layers", "mlp", f"w_{name}"), i, *linear
 
 
 def _phi3_sizes(cfg: DecoderConfig) -> tuple[list[int], list[int]]:
@@ -246,24 +248,33 @@ def read_hf_tensors(model_dir: Path, cfg: DecoderConfig) -> dict[str, np.ndarray
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], cfg: DecoderConfig, dtype) -> dict:
-    """Llama-layout HF tensors -> our nested param dict (nnx pure-dict form), cast to `dtype`."""
+    """Llama-layout HF tensors -> our nested param dict (nnx pure-dict form), cast to `dtype`;
+    layer i's tensors fill row i of the stacked `layers` params. Tensors are consumed (removed
+    from `tensors`) as they are copied, so a 7B checkpoint is not held twice."""
     params: dict = {}
-    for name, path, to_ours, _ in _mappings(cfg):
+    for name, path, layer, to_ours, _ in _mappings(cfg):
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = np.asarray(to_ours(tensors[name])).astype(dtype)
+        w = np.asarray(to_ours(tensors.pop(name)))
+        if layer is None:
+            node[path[-1]] = w.astype(dtype)
+            continue
+        if path[-1] not in node:
+            node[path[-1]] = np.empty((cfg.num_layers, *w.shape), dtype)
+        node[path[-1]][layer] = w
     return params
 
 
 def params_to_hf(params: dict, cfg: DecoderConfig) -> dict[str, np.ndarray]:
-    """Our nested params -> HF tensors in the family's layout, vocab padding removed."""
+    """Our nested params -> HF tensors in the family's layout (one per layer), vocab padding removed."""
     tensors = {}
-    for name, path, _, to_hf in _mappings(cfg):
+    for name, path, layer, _, to_hf in _mappings(cfg):
         node = params
         for key in path:
             node = node[key]
-        w = np.ascontiguousarray(to_hf(np.asarray(node)))
+        w = np.asarray(node) if layer is None else np.asarray(node)[layer]
+        w = np.ascontiguousarray(to_hf(w))
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             w = np.ascontiguousarray(w[: cfg.vocab_size])
         tensors[name] = w

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxrag import sharding
 from jaxrag.errors import JaxragError
-from jaxrag.models.decoder import Decoder, positions_from_segments
+from jaxrag.models.decoder import REMAT_POLICIES, Decoder, positions_from_segments
 from jaxrag.train.checkpoint import Checkpoints, abstract_like
 from jaxrag.train.losses import Forward, LossTerms, target_logprobs, token_logprobs
 from jaxrag.train.metrics import MetricsLogger
@@ -53,11 +53,14 @@ class TrainSpec:
     keep_checkpoints: int = 3
     log_every: int = 10
     seed: int = 0
+    remat: str = "none"  # config `model.remat`: what the backward pass keeps per layer (REMAT_POLICIES)
 
     @classmethod
-    def from_section(cls, name: str, section, total_steps: int, seed: int) -> TrainSpec:
-        fields = {f.name for f in dataclasses.fields(cls)} - {"name", "total_steps", "seed"}
-        return cls(name=name, total_steps=total_steps, seed=seed,
+    def from_section(cls, name: str, section, total_steps: int, seed: int, remat: str = "none") -> TrainSpec:
+        if remat not in REMAT_POLICIES:
+            raise JaxragError(f"config model.remat={remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"name", "total_steps", "seed", "remat"}
+        return cls(name=name, total_steps=total_steps, seed=seed, remat=remat,
                    **{k: section[k] for k in fields if k in section})
 
 
@@ -90,33 +93,37 @@ def accumulation_steps(spec: TrainSpec, mesh) -> int:
     return spec.batch_size // micro
 
 
-def forward_fn(graphdef, params) -> Forward:
+def forward_fn(graphdef, params, remat: str = "none", mesh=None) -> Forward:
     """`mask` [b, t]: bool (real tokens) or int segment ids of packed documents (0 = padding);
-    `targets` [b, k]: the positions to score (the head runs there only), or None for all."""
+    `targets` [b, k]: the positions to score (the head runs there only), or None for all.
+    `remat`: what a gradient through it keeps per layer (`REMAT_POLICIES`); `mesh`: activations
+    stay split over its batch axes."""
     model = nnx.merge(graphdef, params)
 
     def forward(ids, mask, targets=None):
         segments = mask.astype(jnp.int32)
         at = None if targets is None else jnp.maximum(targets - 1, 0)  # the logits at t - 1 predict ids[t]
         logits = model(ids, positions_from_segments(segments), segments > 0, segment_ids=segments,
-                       logit_positions=at).logits
+                       logit_positions=at, remat=remat,
+                       batch_sharding=None if mesh is None else sharding.batch_sharding(mesh)).logits
         return token_logprobs(logits, ids) if targets is None else target_logprobs(logits, ids, targets)
     return forward
 
 
-def loss_and_grads(graphdef, objective: Objective, params: dict, batch: dict) -> tuple[LossTerms, dict]:
+def loss_and_grads(graphdef, objective: Objective, params: dict, batch: dict,
+                   remat: str = "none", mesh=None) -> tuple[LossTerms, dict]:
     """Loss terms (sums) and the gradient of `terms.total` w.r.t. params."""
     def total(p):
-        terms = objective(forward_fn(graphdef, p), batch)
+        terms = objective(forward_fn(graphdef, p, remat, mesh), batch)
         return terms.total, terms
     (_, terms), grads = jax.value_and_grad(total, has_aux=True)(params)
     return terms, grads
 
 
 def accumulated_grads(graphdef, objective: Objective, params: dict, batch: dict, accum: int, mesh,
-                      params_sh: dict) -> tuple[LossTerms, dict]:
+                      params_sh: dict, remat: str = "none") -> tuple[LossTerms, dict]:
     """Loss terms and gradients summed over `accum` micro-batches of the global batch [B, ...]."""
-    grads_of = functools.partial(loss_and_grads, graphdef, objective)
+    grads_of = functools.partial(loss_and_grads, graphdef, objective, remat=remat, mesh=mesh)
     # Micro-batch k = rows k::accum: each keeps an even share on every data shard (no shuffle).
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
@@ -137,7 +144,8 @@ def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shard
 
     def step(state, batch):
         params = state["params"]
-        terms, grads = accumulated_grads(graphdef, objective, params, batch, accum, mesh, shardings["params"])
+        terms, grads = accumulated_grads(graphdef, objective, params, batch, accum, mesh, shardings["params"],
+                                         spec.remat)
         count = jnp.maximum(terms.count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
         updates, opt = tx.update(grads, state["opt"], params)

@@ -1,0 +1,82 @@
+"""`python -m jaxrag.plan --config configs/qwen.py [--config.x=y ...] [--devices N]
+[--device-memory-gb G] [--accelerator h100|a100|v5e|v5p] [--memory-fraction F] [--mfu M] [--json OUT]`
+
+Proves a run fits before anyone rents the hardware: AOT-compiles every heavy program of the
+pipeline (`jaxrag.plan_programs`) at the config's real shapes and target dtypes on N devices
+(fake CPU devices when N real accelerators are absent), with abstract parameters, and prints per
+program XLA's per-device peak memory (temporaries + arguments + outputs - donated aliases), FLOPs
+and tokens per call, and the estimated time of each stage = calls x max(FLOPs / (peak FLOP/s x
+MFU), weight bytes / (HBM bandwidth x MFU)) on N devices (decode steps are bandwidth-bound).
+A program fits when its peak is within the usable memory (device memory x the fraction JAX may
+allocate, 75% by default as JAX's preallocation) less `--headroom` (10%). Exits 2 with one line
+per program that does not fit, naming settings that would make it fit. The pipeline runs the
+same check (`check_fit`) on accelerators before its first training or generation stage.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # the fake device count must be set before jax is imported
+    _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), None)
+    if _n is None and "--devices" in sys.argv[:-1]:
+        _n = sys.argv[sys.argv.index("--devices") + 1]
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_n or 8}"
+
+import dataclasses
+import json
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxrag.errors import JaxragError
+from jaxrag.plan_fit import (ACCELERATORS, DEFAULT_FRACTION, DEFAULT_HEADROOM, DEFAULT_MFU, failures, measure,
+                             plan_devices, table)
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<model>.py", lock_config=False)
+_DEVICES = flags.DEFINE_integer("devices", 8, "devices to plan for")
+_MEMORY = flags.DEFINE_float("device_memory_gb", None, "memory per device, GB (default: the accelerator's)")
+_ACCEL = flags.DEFINE_enum("accelerator", "h100", list(ACCELERATORS), "peak FLOP/s, bandwidth, memory")
+_FRACTION = flags.DEFINE_float("memory_fraction", DEFAULT_FRACTION, "share of device memory JAX may use "
+                               "(its default preallocation; XLA_PYTHON_CLIENT_MEM_FRACTION)")
+_HEADROOM = flags.DEFINE_float("headroom", DEFAULT_HEADROOM, "share of the usable memory kept free")
+_MFU = flags.DEFINE_float("mfu", DEFAULT_MFU, "model FLOPs utilisation assumed for the time estimates")
+_JSON = flags.DEFINE_string("json", None, "write the plan as JSON here")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv) -> None:
+    del argv
+    from jaxrag.cli import run
+
+    def plan():
+        cfg, n = _CONFIG.value, _DEVICES.value
+        memory = _MEMORY.value or ACCELERATORS[_ACCEL.value][2]
+        usable = memory * _FRACTION.value
+        print(f"plan: {cfg.model.path} on {n} x {_ACCEL.value} ({memory:.0f} GB, JAX may use {_FRACTION.value:.0%} "
+              f"= {usable:.1f} GB, {_HEADROOM.value:.0%} kept free), remat={cfg.model.get('remat', 'none')}, "
+              f"MFU {_MFU.value:.0%}", flush=True)
+        rows = measure(cfg, plan_devices(n), _ACCEL.value, usable, _HEADROOM.value, _MFU.value)
+        print(table(rows))
+        train = sum(r.hours or 0 for r in rows if r.name in ("stage1 step", "stage2 step", "DPO reference scoring"))
+        print(f"stage 1 + stage 2 (with DPO reference scoring): {train:.1f} h on {n} x {_ACCEL.value} at "
+              f"{_MFU.value:.0%} MFU (the paper: ~10 h on 8 x A800)")
+        if _JSON.value:
+            out = Path(_JSON.value)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps({"devices": n, "accelerator": _ACCEL.value, "device_memory_gb": memory,
+                                       "memory_fraction": _FRACTION.value, "headroom": _HEADROOM.value,
+                                       "mfu": _MFU.value, "train_hours": train,
+                                       "programs": [dataclasses.asdict(r) for r in rows]}, indent=1) + "\n")
+            tmp.replace(out)
+        if bad := failures(rows, usable, _HEADROOM.value, n):
+            raise JaxragError("does not fit:\n  " + "\n  ".join(bad))
+
+    run(plan)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,105 @@
+"""Sizing the pipeline's programs: compile, read XLA's memory analysis, estimate time, and the
+fit check the pipeline runs on accelerators (`check_fit`). The CLI is `jaxrag.plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxrag.errors import JaxragError
+
+# Dense bf16 peak FLOP/s, HBM bandwidth (bytes/s) and memory (GB) per device.
+ACCELERATORS = {
+    "h100": (989e12, 3.35e12, 80.0),
+    "a100": (312e12, 2.0e12, 80.0),
+    "v5e": (197e12, 0.82e12, 16.0),
+    "v5p": (459e12, 2.76e12, 95.0),
+}
+DEFAULT_FRACTION, DEFAULT_MFU, DEFAULT_HEADROOM = 0.75, 0.5, 0.10
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    peak_gb: float
+    flops: float
+    tokens: int
+    calls: int
+    hours: float | None
+    compile_s: float
+    fits: bool
+    fixes: tuple[str, ...]
+
+
+def plan_devices(n: int):
+    """n real accelerators when there are that many, else n (fake) CPU devices."""
+    import jax
+
+    if jax.default_backend() != "cpu" and jax.device_count() >= n:
+        return jax.devices()[:n]
+    cpus = jax.devices("cpu")
+    if len(cpus) < n:
+        raise JaxragError(f"--devices={n}: only {len(cpus)} CPU devices; run `python -m jaxrag.plan` "
+                          "itself (it sets XLA_FLAGS=--xla_force_host_platform_device_count before jax starts)")
+    return cpus[:n]
+
+
+def measure(cfg, devices, accelerator: str, usable_gb: float, headroom: float, mfu: float,
+            log=print, only: tuple[str, ...] = ()) -> list[Row]:
+    """Compiles every program (or those named in `only`) on a mesh over `devices` (the config's
+    mesh shape) and sizes it."""
+    from jaxrag import sharding
+    from jaxrag.plan_programs import decoder_programs, encoder_program, plan_decoder_config
+
+    peak_flops, bandwidth, _ = ACCELERATORS[accelerator]
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    programs = decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(mesh)]
+    programs = [p for p in programs if not only or p.name in only]
+    rows, limit = [], usable_gb * (1 - headroom)
+    for p in programs:
+        start = time.perf_counter()
+        m = p.build().compile().memory_analysis()
+        seconds = time.perf_counter() - start
+        peak = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 1e9
+        per_call = max(p.flops / (peak_flops * len(devices) * mfu), p.weight_bytes / (bandwidth * mfu))
+        hours = p.calls * per_call / 3600 if p.calls else None
+        rows.append(Row(p.name, peak, p.flops, p.tokens, p.calls, hours, seconds, peak <= limit, p.fixes))
+        log(f"  compiled {p.name}: {peak:.1f} GB per device ({seconds:.0f}s)")
+    return rows
+
+
+def failures(rows: list[Row], usable_gb: float, headroom: float, n_devices: int) -> list[str]:
+    """One line per program that does not fit, naming what would make it fit."""
+    limit = usable_gb * (1 - headroom)
+    return [f"{r.name}: {r.peak_gb:.1f} GB per device > {limit:.1f} GB usable; try "
+            + ", ".join([*r.fixes, f"--devices={2 * n_devices} (more FSDP devices)"]) for r in rows if not r.fits]
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| program | peak GB / device | TFLOPs / call | tokens / call | calls | est. hours | compile s | fits |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        hours = f"{r.hours:.2f}" if r.hours is not None else "-"
+        lines.append(f"| {r.name} | {r.peak_gb:.1f} | {r.flops / 1e12:.1f} | {r.tokens} | {r.calls or '-'} | {hours} "
+                     f"| {r.compile_s:.0f} | {'yes' if r.fits else 'NO'} |")
+    return "\n".join(lines)
+
+
+def check_fit(cfg) -> None:
+    """The pipeline's preflight on accelerators: compiles the programs on the real devices (their
+    own allocator limit is the usable memory) and raises one line per program that would run
+    out of memory. CPU backends are skipped."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return
+    devices = jax.devices()
+    stats = devices[0].memory_stats() or {}
+    usable = stats.get("bytes_limit", 0) / 1e9
+    if not usable:
+        return
+    kind = "a100" if "A100" in devices[0].device_kind else ("v5e" if "v5 lite" in devices[0].device_kind.lower()
+                                                               else "v5p" if "v5" in devices[0].device_kind else "h100")
+    rows = measure(cfg, devices, kind, usable, DEFAULT_HEADROOM, DEFAULT_MFU, log=lambda *_: None)
+    if bad := failures(rows, usable, DEFAULT_HEADROOM, len(devices)):
+        raise JaxragError("these programs would run out of device memory (jaxrag.plan):\n  " + "\n  ".join(bad))

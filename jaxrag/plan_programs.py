@@ -1,0 +1,238 @@
+"""The pipeline's heavy programs at a config's real shapes, as abstract (nothing allocated)
+jitted functions ready to lower and compile, with the FLOPs each call does by the model's count.
+
+Shapes (the planner's stated assumptions where the data decides them):
+- stage 1 / stage 2 steps: `stageN.batch_size` rows x `model.max_length` tokens, micro-batched by
+  `per_device_batch_size`; scored targets per row = <s> + verbalization + <EOK> + answer
+  (`construct.verbalize_max_tokens` + `inference.max_answer_tokens` + 2, rounded up to 8);
+  stage 2 runs chosen and rejected rows in one pass of twice the rows.
+- DPO reference scoring: one micro-batch of stage 2 through the frozen model (no gradient).
+- construct: GenRead round-2 prompts of `demos_per_cluster` demonstrations + the question, each
+  `verbalize_max_tokens` + 48 tokens (or `max_prompt_tokens` when set), bucketed like the sampler;
+  likelihood scoring of `score_batch_size` rows of question + one context + answer.
+- routed decoding: `inference.batch_size` rows (padded as the router does), a cache for prompt,
+  verbalization, knowledge and answer; the prefill appends the knowledge chunk.
+- retriever encoder: BERT-base (the DPR question encoder's shape), 64 rows x 256 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import transformers
+from flax import nnx
+
+from jaxrag import sharding
+from jaxrag.decode import sampler
+from jaxrag.models.decoder import Decoder, DecoderConfig, init_cache, positions_from_mask
+from jaxrag.models.encoder import BertConfig, BertEncoder, pool
+from jaxrag.train import losses, trainer
+
+# Published config.json values of the paper's models, so a plan needs no download. RoPE
+# scaling factors do not change shapes (LongRoPE's per-frequency factors are left at 1).
+PAPER_ARCHS = {
+    "Qwen/Qwen2.5-7B-Instruct": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "meta-llama/Llama-2-7b-chat-hf": dict(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False),
+    "microsoft/Phi-3.5-mini-instruct": dict(
+        model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=262143,
+        rope_scaling=dict(type="longrope", short_factor=[1.0] * 48, long_factor=[1.0] * 48),
+        tie_word_embeddings=False),
+}
+ENCODER = BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
+TRAIN_QUESTIONS = 50_912  # the paper's six training sets (Table 5)
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    build: Callable[[], jax.stages.Lowered]  # lowers the jitted program on abstract arguments
+    flops: float  # per call, by the model's count (XLA's cost analysis counts a scan body once)
+    tokens: int  # per call
+    calls: int  # per pipeline run (0 = per request, not estimated)
+    weight_bytes: float  # parameter bytes one device reads per call (decode is bandwidth-bound)
+    fixes: tuple[str, ...]  # settings that shrink it, for the "does not fit" line
+
+
+def bucket(n: int) -> int:
+    return sampler.bucket(n)
+
+
+def matmul_params(cfg: DecoderConfig) -> int:
+    """Weights every token multiplies by in the layers (embedding lookup excluded)."""
+    e, h = cfg.hidden_size, cfg.head_dim
+    attn = e * (cfg.num_heads + 2 * cfg.num_kv_heads) * h + cfg.num_heads * h * e
+    return cfg.num_layers * (attn + 3 * e * cfg.intermediate_size)
+
+
+def forward_flops(cfg: DecoderConfig, rows: int, tokens: int, keys: int, scored: int) -> float:
+    """One forward pass: 2 x weights per token, QK^T and PV over `keys` per query (as computed,
+    masked or not), and the head at `scored` positions per row."""
+    layers = 2 * matmul_params(cfg) * rows * tokens
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * rows * tokens * keys
+    return layers + attention + 2 * cfg.hidden_size * cfg.padded_vocab_size * rows * scored
+
+
+def train_flops(cfg: DecoderConfig, rows: int, length: int, scored: int, remat: str) -> float:
+    """Forward + backward (2x forward) + the forward recomputed under `block` remat."""
+    return (4 if remat == "block" else 3) * forward_flops(cfg, rows, length, length, scored)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _batch(mesh, **shapes):
+    bs = sharding.batch_sharding(mesh)
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=bs) for k, (shape, dtype) in shapes.items()}
+
+
+def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
+    """Every decoder program of the pipeline for config `cfg` on `mesh`."""
+    decoder = nnx.eval_shape(lambda: Decoder(dec_cfg, nnx.Rngs(0)))
+    graphdef, _ = nnx.split(decoder)
+    params_sh = sharding.param_shardings(mesh, decoder)
+    params = nnx.to_pure_dict(nnx.state(decoder))
+    abstract_params = _abstract(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), params_sh)
+    dp = sharding.data_parallel_size(mesh)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / mesh.size
+    remat, length = cfg.model.get("remat", "none"), int(cfg.model.max_length)
+    scored = min(length, -(-(2 + int(cfg.construct.verbalize_max_tokens) + int(cfg.inference.max_answer_tokens)) // 8) * 8)
+    i32, f32 = jnp.int32, jnp.float32
+    programs = []
+
+    def stage_batch(rows, pairs):
+        keys = dict(ids=((rows, length), i32), mask=((rows, length), bool), targets=((rows, scored), i32),
+                    src=((rows, length), f32), verb=((rows, length), f32), ans=((rows, length), f32),
+                    valid=((rows,), f32), truncated=((rows,), f32))
+        if pairs:
+            keys.update(rej_ids=((rows, length), i32), rej_mask=((rows, length), bool),
+                        rej_targets=((rows, scored), i32), rej_verb=((rows, length), f32),
+                        dpo=((rows,), f32), ref_chosen=((rows,), f32), ref_rejected=((rows,), f32))
+        return _batch(mesh, **keys)
+
+    for name, objective, pairs in (("stage1", losses.stage1_objective, False),
+                                   ("stage2", losses.stage2_objective(float(cfg.stage2.dpo_beta)), True)):
+        section = cfg[name]
+        spec = trainer.TrainSpec.from_section(name, section, 1, 0, remat)
+        accum = trainer.accumulation_steps(spec, mesh)
+        abstract, shardings = trainer.state_shardings(decoder, spec, mesh)
+        step = trainer.make_train_step(graphdef, objective, spec, mesh, shardings, accum)
+        batch = stage_batch(spec.batch_size, pairs)
+        rows = spec.batch_size * (2 if pairs else 1)
+        micro = spec.batch_size // accum // dp
+        fixes = ([f"--config.{name}.per_device_batch_size={max(1, micro // 2)}"] if micro > 1 else []) + \
+            ([] if remat == "block" else ["--config.model.remat=block"])
+        steps = int(section.epochs) * math.ceil(TRAIN_QUESTIONS / spec.batch_size)
+        programs.append(Program(f"{name} step", lambda step=step, a=_abstract(abstract, shardings), b=batch: step.lower(a, b),
+                                train_flops(dec_cfg, rows, length, scored, remat), rows * length, steps,
+                                param_bytes, tuple(fixes)))
+        if pairs:  # the frozen stage-1 model's log p(c_i+|q), log p(c_i-|q), one micro-batch at a time
+            mrows = spec.batch_size // accum
+            ref = jax.jit(lambda p, b: losses.verbalization_logprobs(trainer.forward_fn(graphdef, p), b),
+                          out_shardings=sharding.replicated(mesh))
+            programs.append(Program("DPO reference scoring", lambda ref=ref, b=stage_batch(mrows, True): ref.lower(abstract_params, b),
+                                    forward_flops(dec_cfg, 2 * mrows, length, length, scored), 2 * mrows * length,
+                                    math.ceil(TRAIN_QUESTIONS / mrows), param_bytes, tuple(fixes[:1])))
+
+    def extend_program(name, rows, chunk, slots, calls, fixes, hidden_layer=None):
+        dtype = jnp.dtype(dec_cfg.dtype)
+        state = sampler.DecodeState(init_cache(dec_cfg, rows, slots, dtype), jnp.zeros((rows, slots), bool),
+                                    jnp.zeros((rows,), i32), jnp.zeros((), i32), jnp.zeros((rows, dec_cfg.padded_vocab_size), f32))
+        bs, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+        cache_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES))
+        state_sh = sampler.DecodeState(sampler.KVCache(cache_sh, cache_sh), bs, bs, rep, bs)
+        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+        inputs = _batch(mesh, ids=((rows, chunk), i32), mask=((rows, chunk), bool))
+
+        def run(p, st, ids, mask):
+            new, hidden = sampler._extend(nnx.merge(graphdef, p), st, ids, mask, hidden_layer)
+            return new, hidden, sampler.sample_tokens(new.logits, jax.random.key(0), sampler.SamplingParams())
+
+        fn = jax.jit(run, out_shardings=(state_sh, None, bs), donate_argnums=1)
+        programs.append(Program(name, lambda: fn.lower(abstract_params, abstract_state, inputs["ids"], inputs["mask"]),
+                                forward_flops(dec_cfg, rows, chunk, slots, 1), rows * chunk, calls, param_bytes, fixes))
+
+    c, inf = cfg.construct, cfg.inference
+    verbal = int(c.verbalize_max_tokens)
+    prompt = int(c.max_prompt_tokens) or (int(c.demos_per_cluster) + 1) * (verbal + 48)
+    gen_rows = sampler.batch_rows(int(c.generate_batch_size), mesh)
+    gen_slots = bucket(prompt) + bucket(verbal)
+    gen_calls = math.ceil(TRAIN_QUESTIONS * int(c.n_contexts) / gen_rows)
+    gen_fix = (f"--config.construct.generate_batch_size={max(1, gen_rows // 2)}",)
+    extend_program("construct generation: prefill", gen_rows, bucket(prompt), gen_slots, gen_calls, gen_fix)
+    extend_program("construct generation: decode step", gen_rows, 1, gen_slots, gen_calls * verbal, gen_fix)
+    score_rows = sampler.batch_rows(int(c.score_batch_size), mesh)
+    score_len = bucket(128 + max(verbal, 192) + int(inf.max_answer_tokens) + 32)
+    answer = min(score_len, bucket(int(inf.max_answer_tokens)))
+    score_calls = math.ceil(TRAIN_QUESTIONS * 2 * int(c.n_contexts) / score_rows)
+    fn = jax.jit(lambda p, ids, mask, at: losses.target_logprobs(
+        nnx.merge(graphdef, p)(ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
+    b = _batch(mesh, ids=((score_rows, score_len), i32), mask=((score_rows, score_len), bool), at=((score_rows, answer), i32))
+    programs.append(Program("construct likelihood scoring", lambda: fn.lower(abstract_params, b["ids"], b["mask"], b["at"]),
+                            forward_flops(dec_cfg, score_rows, score_len, score_len, answer), score_rows * score_len,
+                            score_calls, param_bytes, (f"--config.construct.score_batch_size={max(1, score_rows // 2)}",)))
+    route_rows = sampler.batch_rows(int(inf.batch_size), mesh)
+    knowledge = bucket(int(inf.max_knowledge_tokens) + 8)
+    route_slots = 128 + 1 + bucket(verbal) + knowledge + bucket(int(inf.max_answer_tokens))
+    route_fix = (f"--config.inference.batch_size={max(1, route_rows // 2)}",)
+    extend_program("routed decoding: knowledge prefill", route_rows, knowledge, route_slots, 0, route_fix,
+                   int(cfg.model.datastore_layer))
+    extend_program("routed decoding: decode step", route_rows, 1, route_slots, 0, route_fix)
+    return programs
+
+
+def encoder_program(mesh, rows: int = 64, length: int = 256) -> Program:
+    """The retriever's query/passage encoder (BERT-base), replicated weights, batch-sharded rows."""
+    model = nnx.eval_shape(lambda: BertEncoder(ENCODER, nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    rep = sharding.replicated(mesh)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
+    b = _batch(mesh, ids=((rows, length), jnp.int32), mask=((rows, length), jnp.int32))
+    fn = jax.jit(lambda s, ids, mask: pool(nnx.merge(graphdef, s), nnx.merge(graphdef, s)(ids, mask), mask, "cls", False))
+    e, f = ENCODER.hidden_size, ENCODER.intermediate_size
+    flops = 2 * ENCODER.num_layers * (4 * e * e + 2 * e * f) * rows * length + 4 * ENCODER.num_layers * e * rows * length**2
+    n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+    return Program("retriever encoder", lambda: fn.lower(abstract, b["ids"], b["mask"]), flops, rows * length, 0,
+                   n_bytes, ())
+
+
+def plan_decoder_config(cfg) -> DecoderConfig:
+    """The config's model architecture at its target dtypes: `auto` compute = bfloat16 (what the
+    accelerators run), even when the plan compiles on CPU. A local HF directory is read; the
+    paper's hub names use `PAPER_ARCHS`. The vocab grows by the SR-RAG tokens if it must."""
+    from pathlib import Path
+
+    from jaxrag.errors import JaxragError
+    from jaxrag.models import hf
+    from jaxrag.models.tokens import srrag_tokens
+
+    path = str(cfg.model.path)
+    if path and Path(path).is_dir():
+        hf_config = hf.read_hf_config(Path(path))
+    elif path in PAPER_ARCHS:
+        hf_config = transformers.AutoConfig.for_model(**PAPER_ARCHS[path])
+    else:
+        from jaxrag.models.model import resolve_model_dir
+
+        try:
+            hf_config = hf.read_hf_config(resolve_model_dir(path))
+        except JaxragError as e:
+            raise JaxragError(f"config model.path={path!r}: the plan needs a local Hugging Face directory "
+                              f"(config.json) or one of the paper's models ({', '.join(PAPER_ARCHS)}): {e}") from None
+    dtype = "bfloat16" if cfg.model.dtype == "auto" else str(cfg.model.dtype)
+    dec_cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=str(cfg.model.param_dtype))
+    tokenizer_len = {"qwen2": 151665, "phi3": 32011}.get(dec_cfg.family, dec_cfg.vocab_size)
+    new_tokens = len(srrag_tokens(tuple(cfg.model.sources)))
+    return dataclasses.replace(dec_cfg, vocab_size=max(dec_cfg.vocab_size, tokenizer_len + new_tokens))
