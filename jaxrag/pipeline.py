@@ -159,6 +159,9 @@ def preflight(cfg: ConfigDict) -> None:
     except JaxragError as e:
         raise JaxragError(f"{e}. Download the weights and pass --config.model.path=/path/to/hf_model_dir "
                           "(plus --config.retrieval.corpus=/path/psgs_w100.tsv and --config.data.paths.NAME=/path per dataset)") from None
+    from jaxrag.plan_fit import check_fit
+
+    check_fit(cfg)  # on accelerators: every program fits in device memory, or stop now (jaxrag.plan)
 
 
 def run(cfg: ConfigDict, workdir: Path) -> dict[str, Path]:
