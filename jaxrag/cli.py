@@ -26,3 +26,42 @@ def run(main: Callable[[], object]) -> None:
     code = exit_code(main)
     if code:
         sys.exit(code)
+
+
+class ConfigFlag:
+    """`--config configs/X.py[:size]` and its `--config.a.b=v` overrides, parsed by
+    `jaxrag.config_check` (not absl), so that every config mistake is one `error:` line, exit 2:
+
+        _CONFIG = ConfigFlag()
+        def main(argv): cfg = _CONFIG.value ...
+        app.run(main, flags_parser=_CONFIG.parse)
+
+    `.user_set` names the fields set on the command line (`config_check.check_config` refuses
+    those the chosen mode does not read)."""
+
+    def __init__(self, name: str = "config", help_text: str = "configs/<model>.py[:tiny]; override "
+                 "any field with --config.FIELD=VALUE"):
+        from absl import flags
+
+        self.name = name
+        self.value = None
+        self.user_set: set[str] = set()
+        flags.DEFINE_string(name, None, help_text)
+        flags.mark_flag_as_required(name)
+
+    def parse(self, argv: list[str]) -> list[str]:
+        """absl `flags_parser`: the flags, then the config; one `error:` line and exit 2 on any
+        mistake (unknown flag or field, missing value, wrong type, unknown size or file)."""
+        from absl import flags
+
+        from jaxrag import config_check
+
+        rest, overrides = config_check.split_argv(argv, self.name)
+        try:
+            rest = flags.FLAGS(rest)
+            self.value, self.user_set = config_check.load_config(flags.FLAGS[self.name].value, overrides)
+            config_check.check_config(self.value, self.user_set)
+        except (flags.Error, JaxragError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return rest

@@ -4,13 +4,15 @@
       -> baselines -> eval -> export
 
 A stage is skipped when its completion marker exists (its artifact renamed into place, a trained
-model's `model/`, construct's `stats.json`, `results.json`); an interrupted stage is redone from
-its own checkpoints or shards (`jaxrag.pipeline_srrag`, `jaxrag.eval.methods`).
+model's `model/`, construct's `stats.json`, `results.json`) and it was built from the same inputs
+(`jaxrag.provenance`: `W/inputs/<stage>.json`); an interrupted stage is redone from its own
+checkpoints or shards (`jaxrag.pipeline_srrag`, `jaxrag.eval.methods`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -164,27 +166,64 @@ def preflight(cfg: ConfigDict) -> None:
     check_fit(cfg)  # on accelerators: every program fits in device memory, or stop now (jaxrag.plan)
 
 
-def run(cfg: ConfigDict, workdir: Path) -> dict[str, Path]:
+def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
+    """Runs the stages in order (up to `pipeline.stop_after`). Each stage's inputs are recorded in
+    `W/inputs/<stage>.json` before it runs (`jaxrag.provenance`); a finished stage built from the
+    same inputs is skipped, stale eval / export are redone, an earlier stale stage stops the run
+    before anything is done. `user_set`: fields set on the command line (`config_check`)."""
+    from jaxrag import provenance
+    from jaxrag.config_check import check_config
+
+    check_config(cfg, user_set)
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     preflight(cfg)
-    artifacts = {}
     stages = [st for st in _stages() if st[0] != "world" or is_embedded(cfg)]
+    names = [n for n, _, _ in stages]
     stop_after = cfg.pipeline.stop_after
     if stop_after:
-        names = [n for n, _, _ in stages]
         if stop_after not in names:
             raise JaxragError(f"--config.pipeline.stop_after={stop_after!r}: not a stage; stages: {', '.join(names)}")
-        stages = stages[: names.index(stop_after) + 1]
-    for i, (name, stage, done) in enumerate(stages, 1):
-        if done(workdir):
-            print(f"[{i}/{len(stages)}] {name}: done", flush=True)
+        stages, names = stages[: names.index(stop_after) + 1], names[: names.index(stop_after) + 1]
+    done = {name: workdir.is_dir() and is_done(workdir) for name, _, is_done in stages}
+    steps = provenance.plan(cfg, workdir, names, done, is_embedded(cfg), cfg.pipeline.get("rerun_from", ""))
+    workdir.mkdir(parents=True, exist_ok=True)
+    artifacts, leader = {}, _is_leader()
+    for i, ((name, stage, _), step) in enumerate(zip(stages, steps), 1):
+        head = f"[{i}/{len(stages)}] {name}:"
+        if step.action in ("skip", "adopt"):
+            if leader and step.action == "adopt":
+                provenance.write_record(workdir, step.record)
+            print(f"{head} done" + (" (made before inputs were recorded; trusted, as rerun_from is later)"
+                                    if step.action == "adopt" else ""), flush=True)
         else:
-            print(f"[{i}/{len(stages)}] {name}: running", flush=True)
+            if step.action == "redo" and leader:
+                _remove(workdir, provenance.STAGES[name].outputs)
+            if leader:
+                provenance.write_record(workdir, step.record)
+            why = {"rerun_from": " (rerun_from)"}.get(step.why[0], f" (inputs changed: {'; '.join(step.why)})") \
+                if step.why else ""
+            print(f"{head} running{why}", flush=True)
             start = time.perf_counter()
             stage(cfg, workdir)
-            print(f"[{i}/{len(stages)}] {name}: finished in {time.perf_counter() - start:.0f}s", flush=True)
+            print(f"{head} finished in {time.perf_counter() - start:.0f}s", flush=True)
         artifacts[name] = workdir / name
     if (workdir / "report.md").is_file() and (not stop_after or stop_after in ("eval", "export")):
         print((workdir / "report.md").read_text(encoding="utf-8"), flush=True)
     return artifacts
+
+
+def _is_leader() -> bool:
+    """Process 0 writes the records and removes stale outputs (on a shared filesystem)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _remove(workdir: Path, outputs) -> None:
+    """A stage's outputs, before it is redone from scratch (checkpoints and shards included)."""
+    for rel in outputs:
+        path = workdir / rel
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

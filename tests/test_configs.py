@@ -9,6 +9,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
+from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import Decoder, DecoderConfig
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -38,7 +39,7 @@ def test_paper_setup(name):
 def test_tiny_is_cpu_sized(name):
     cfg = _load(name).get_config("tiny")
     assert cfg.model.path == "" and cfg.model.arch.hidden_size <= 512
-    with pytest.raises(ValueError, match="unknown config size"):
+    with pytest.raises(JaxragError, match="unknown config size"):
         _load(name).get_config("huge")
 
 

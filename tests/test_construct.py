@@ -23,6 +23,7 @@ from train_fixtures import SELF_TEXTS, WIKI_TEXTS, random_params
 from jaxrag.data import construct as C
 from jaxrag.data import construct_genread as G
 from jaxrag.data.schema import QAExample
+from jaxrag.decode.sampler import SamplingParams
 from jaxrag.errors import JaxragError
 from jaxrag.models.hf import decoder_config
 from jaxrag.models.model import Model, _build, add_special_tokens, host_params
@@ -132,6 +133,7 @@ def test_labels_and_best_worst_equal_a_direct_computation(built):
     assert {d: len(set(p["clusters"])) for d, p in pools.items()} == {"asqa": 2, "nq": 2, "obqa": 2}
     for r in records:
         texts = [c["text"] for c in r["contexts"]]
+        assert all(texts)  # every context is a document
         direct = direct_logliks(m, r["question"], r["golden_answers"][0], texts)
         np.testing.assert_allclose([r["no_context_loglik"]] + [c["loglik"] for c in r["contexts"]], direct, atol=2e-4)
         l0, ll = direct[0], direct[1:]
@@ -242,12 +244,12 @@ def test_two_processes_split_round_1_and_the_shards(built, tmp_path, monkeypatch
     assert records_of(out) == built[1] and C.construct_done(out)
 
 
-def eos_model(m: Model) -> Model:
-    """The tiny model made to emit EOS first, always: embedding dim 0 is a large constant, and
-    the EOS column of lm_head reads it."""
+def eos_model(m: Model, weight: float = 50.0) -> Model:
+    """The tiny model made to emit EOS first: embedding dim 0 is a large constant, and the EOS
+    column of lm_head reads it with `weight` (50: always; 0.5: greedy always, sampling rarely)."""
     params = jax.tree.map(np.array, host_params(m.decoder))
     params["embed"][:, 0] = 10.0
-    params["lm_head"][0, m.tokenizer.eos_token_id] = 50.0
+    params["lm_head"][0, m.tokenizer.eos_token_id] = weight
     return Model(_build(m.config, params), m.tokenizer, m.hf_config, m.sources)
 
 
@@ -271,8 +273,33 @@ def test_bad_input_is_counted_in_stats(tmp_path):
     flags = [c["truncated"] for r in records for c in r["contexts"] if c["source"] == "self"]
     assert stats["all"]["truncated_verbalizations"] == sum(flags) > 0  # 6 tokens rarely reach EOS
     C.read_construct(out, model().sources)
-    # A model that always stops at once: nothing truncated, every verbalization empty.
+    # A model that always stops at once: every verbalization stays empty after the redraws, so
+    # none is a context; the questions are labelled from their passages alone.
     out = C.construct(eos_model(model()), EXAMPLES[:3], retrieve, HashEncoder(), SECTION, tmp_path / "b",
                       progress=False)
-    stats = json.loads((out / "stats.json").read_text())["all"]
-    assert stats["truncated_verbalizations"] == 0 and stats["empty_verbalizations"] == stats["verbalizations"] == 6
+    stats = json.loads((out / "stats.json").read_text())
+    assert (stats["all"]["empty_verbalizations"], stats["all"]["verbalizations"]) == (6, 0)
+    assert stats["all"]["round1_empty"] == 3 and stats["all"]["no_context"] == 0
+    records = records_of(out)
+    assert len(records) == 3 and all(r["label"] == "wiki" and "self" not in r["best"] for r in records)
+    assert all(c["source"] == "wiki" and c["text"] for r in records for c in r["contexts"])
+    assert "| 0 / 0 | 6 |" in C.stats_markdown(stats) and "fewer than n verbalizations" in C.stats_markdown(stats)
+    C.read_construct(out, model().sources)
+
+
+def test_an_empty_genread_document_is_drawn_again(tmp_path):
+    """Greedy decoding of this model starts with EOS on every prompt; the redraws sample, and
+    construct's records hold non-empty contexts only (round 1 is greedy too)."""
+    m = eos_model(model(), weight=0.5)
+    prompts = [G.genread_prompt(m.tokenizer, e.prompt_question(), False, [])[0] for _, e in EXAMPLES]
+    greedy = dict(sampling=SamplingParams(), rng=jax.random.key(0), batch_size=8)
+    assert all(not v.text for v in G.verbalize(m, prompts, 6, redraws=0, **greedy))
+    again = G.verbalize(m, prompts, 6, redraw=SamplingParams(temperature=0.7, top_p=0.9), **greedy)
+    assert all(v.text for v in again)
+    assert again == G.verbalize(m, prompts, 6, redraw=SamplingParams(temperature=0.7, top_p=0.9), **greedy)
+    out = C.construct(m, EXAMPLES, retrieve, HashEncoder(), SECTION, tmp_path / "c", progress=False)
+    records, stats = records_of(out), json.loads((out / "stats.json").read_text())["all"]
+    assert len(records) == len(EXAMPLES) and all(c["text"] for r in records for c in r["contexts"])
+    assert stats["round1_empty"] == 0
+    assert stats["empty_verbalizations"] == sum(r["problems"]["empty_verbalizations"] for r in records)
+    assert stats["verbalizations"] + stats["empty_verbalizations"] == 2 * len(EXAMPLES)

@@ -54,6 +54,7 @@ from jaxrag.data.construct_genread import (
     genread_pools,
     genread_prompt,
     is_ambiguous,
+    redraw_sampling,
     round1_path,
     verbalize,
     wait_for,
@@ -257,29 +258,34 @@ def construct_shard(model, items: Sequence[Item], shard: int, pools: dict[str, D
     sampling = SamplingParams(temperature=params.verbalize_temperature, top_p=params.verbalize_top_p)
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 2), shard)  # stream 2: round 2
     verbs = verbalize(model, prompts, params.verbalize_max_tokens, sampling=sampling, rng=rng,
-                      batch_size=params.generate_batch_size, mesh=mesh)
-    texts = [[v.text for v in verbs[i * n:(i + 1) * n]] + passages[i] for i in range(len(items))]
+                      batch_size=params.generate_batch_size, mesh=mesh, redraw=redraw_sampling(params))
+    # Still empty after the redraws: not a context (never c_i+ / c_i-), counted in problems.
+    kept = [[(v, m) for v, m in zip(verbs[i * n:(i + 1) * n], meta[i * n:(i + 1) * n]) if v.text]
+            for i in range(len(items))]
+    texts = [[v.text for v, _ in kept[i]] + passages[i] for i in range(len(items))]
     logliks, no_context = answer_logliks(model, questions, [it.answers[0] for it in items], texts,
                                          params.score_batch_size)
     records = []
     for i, it in enumerate(items):
-        own, own_meta = verbs[i * n:(i + 1) * n], meta[i * n:(i + 1) * n]
+        k = len(kept[i])
         contexts = [{"source": SELF, "text": v.text, "loglik": float(x), "truncated": v.truncated,
-                     "cluster": m["cluster"], "demos": m["demos"]} for v, m, x in zip(own, own_meta, logliks[i])]
+                     "cluster": m["cluster"], "demos": m["demos"]} for (v, m), x in zip(kept[i], logliks[i])]
         contexts += [{"source": WIKI, "text": p, "loglik": float(x), "rank": r}
-                     for r, (p, x) in enumerate(zip(passages[i], logliks[i][n:]))]
+                     for r, (p, x) in enumerate(zip(passages[i], logliks[i][k:]))]
+        if not contexts:
+            continue  # nothing to learn from (counted in stats.json as no_context)
         sources, ll = [c["source"] for c in contexts], [c["loglik"] for c in contexts]
         best, worst = best_worst(sources, ll)
-        no_kv = no_context_label(ll[n:], float(no_context[i]), n, params.label_rule, n)
+        no_kv = no_context_label(ll[k:], float(no_context[i]), n, params.label_rule, n)
         records.append({
             "id": it.example.id, "dataset": it.dataset, "question": questions[i], "golden_answers": list(it.answers),
             "label": label_source(sources, ll, params.label_rule, n), "contexts": contexts,
             "no_context_loglik": float(no_context[i]), "best": best, "worst": worst,
             "source_loglik": {s: None if t == -math.inf else t for s, t in source_logliks(sources, ll).items()},
             "selective_label": WIKI if no_kv == WIKI else NONE, "no_kv_label": no_kv,
-            "problems": {"truncated": sum(v.truncated for v in own),
-                         "empty_verbalizations": sum(not v.text for v in own),
-                         "demos_dropped": sum(m["dropped"] for m in own_meta), **problems[i]},
+            "problems": {"truncated": sum(v.truncated for v, _ in kept[i]),
+                         "empty_verbalizations": n - k,
+                         "demos_dropped": sum(m["dropped"] for m in meta[i * n:(i + 1) * n]), **problems[i]},
         })
     return records
 

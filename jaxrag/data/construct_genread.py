@@ -65,29 +65,57 @@ def genread_prompt(tokenizer, question: str, ambiguous: bool, demos: Sequence[tu
         kept -= 1
 
 
+EMPTY_REDRAWS = 3  # sampled redraws of an empty document before it is given up (counted in stats.json)
+
+
 def verbalize(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, sampling: SamplingParams,
-              rng: jax.Array, batch_size: int, mesh=None) -> list[Verbalization]:
+              rng: jax.Array, batch_size: int, mesh=None, redraw: SamplingParams | None = None,
+              redraws: int = EMPTY_REDRAWS) -> list[Verbalization]:
     """Generates one document per prompt (token ids), stopping at EOS or after `max_new_tokens`.
 
     Prompts are sorted by length and generated `batch_size` at a time (batch b samples with
     `fold_in(rng, b)`), so the result is a pure function of the prompts, rng and batch size. A
     short last batch is padded with repeats of its first prompt (outputs dropped): every batch
-    has the same rows, so a run compiles one program per prompt-length bucket."""
+    has the same rows, so a run compiles one program per prompt-length bucket.
+
+    A document that comes out empty (the first token was EOS) is drawn again with `redraw`
+    sampling (default `sampling`; round 1 is greedy, so its own rule would repeat the empty text),
+    at most `redraws` times; one still empty after that stays "" for the caller to drop."""
+    out = _generate_documents(model, prompts, range(len(prompts)), max_new_tokens, sampling, rng, batch_size, mesh)
+    for attempt in range(redraws):
+        empty = [i for i, v in enumerate(out) if not v.text]
+        if not empty:
+            break
+        again = _generate_documents(model, prompts, empty, max_new_tokens, redraw or sampling,
+                                    jax.random.fold_in(jax.random.fold_in(rng, 1 << 20), attempt), batch_size, mesh)
+        for i, v in zip(empty, again):
+            out[i] = v
+    return out
+
+
+def redraw_sampling(params) -> SamplingParams:
+    """How an empty document is drawn again: round 2's sampling (temperature 1 if that is greedy)."""
+    return SamplingParams(temperature=params.verbalize_temperature or 1.0, top_p=params.verbalize_top_p)
+
+
+def _generate_documents(model, prompts, rows: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                        rng: jax.Array, batch_size: int, mesh) -> list[Verbalization]:
+    """`verbalize`'s one pass over `prompts[rows]` -> their documents, in `rows` order."""
     tok = model.tokenizer
     eos = tok.eos_token_id
     if eos is None:
         raise JaxragError("GenRead verbalization stops at EOS, but the tokenizer has no eos_token")
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    out: list[Verbalization | None] = [None] * len(prompts)
+    order = sorted(range(len(rows)), key=lambda r: (len(prompts[rows[r]]), rows[r]))
+    out: list[Verbalization | None] = [None] * len(rows)
     for b, start in enumerate(range(0, len(order), batch_size)):
-        rows = order[start:start + batch_size]
-        batch = [prompts[i] for i in rows]
+        chunk = order[start:start + batch_size]
+        batch = [prompts[rows[r]] for r in chunk]
         generated = generate(model.decoder, batch + [batch[0]] * (batch_size - len(batch)), max_new_tokens, [eos],
                              sampling, jax.random.fold_in(rng, b), mesh)
-        for i, ids in zip(rows, generated):
+        for r, ids in zip(chunk, generated):
             stopped = bool(ids) and ids[-1] == eos
             text = tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True).strip()
-            out[i] = Verbalization(text, not stopped)
+            out[r] = Verbalization(text, not stopped)
     return out  # type: ignore[return-value]
 
 
@@ -144,7 +172,8 @@ def build_pools(round1: Sequence[dict], encoder, k: int, seed: int) -> dict[str,
     GenRead embeds the question together with its document."""
     by_dataset: dict[str, list[dict]] = {}
     for row in sorted(round1, key=lambda r: (r["dataset"], r["id"])):
-        by_dataset.setdefault(row["dataset"], []).append(row)
+        if row["document"]:  # still empty after the redraws: no demonstration (counted in stats.json)
+            by_dataset.setdefault(row["dataset"], []).append(row)
     pools = {}
     for name, rows in by_dataset.items():
         texts = [f"{r['question']} {r['document']}" for r in rows]
@@ -208,7 +237,8 @@ def genread_pools(model, shards: Sequence[Sequence], mine: Sequence[int], out_di
                 prompts = [genread_prompt(model.tokenizer, it.question, is_ambiguous(it.dataset, it.example), [])[0]
                            for it in shards[k]]
                 verbs = verbalize(model, prompts, params.verbalize_max_tokens, sampling=SamplingParams(),
-                                  rng=jax.random.key(seed), batch_size=params.generate_batch_size, mesh=mesh)
+                                  rng=jax.random.key(seed), batch_size=params.generate_batch_size, mesh=mesh,
+                                  redraw=redraw_sampling(params))
                 write_jsonl(round1_path(out_dir, k), (
                     {"dataset": it.dataset, "id": it.example.id, "question": it.question, "document": v.text,
                      "truncated": v.truncated} for it, v in zip(shards[k], verbs)))

@@ -9,11 +9,11 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from jaxrag.data.construct_genread import ROUND1, read_jsonl
+from jaxrag.data.construct_genread import EMPTY_REDRAWS, ROUND1, read_jsonl
 from jaxrag.models.tokens import SELF, WIKI
 
 _COUNTS = ("truncated_verbalizations", "empty_verbalizations", "demos_dropped", "empty_passages", "short_retrieval",
-           "no_wiki", "skipped_no_answer")
+           "no_wiki", "skipped_no_answer", "no_context")
 
 
 def figure3_flip(record: dict) -> bool:
@@ -40,7 +40,8 @@ def construct_stats(out_dir: str | os.PathLike, skipped: dict[str, int], params=
                      truncated_verbalizations=pr["truncated"], empty_verbalizations=pr["empty_verbalizations"],
                      demos_dropped=pr["demos_dropped"], empty_passages=pr["empty_passages"],
                      short_retrieval=pr["missing_passages"] > 0, no_wiki=not lls[WIKI], with_wiki=bool(lls[WIKI]),
-                     p_no_context=math.exp(r["no_context_loglik"]), p_best_self=math.exp(max(lls[SELF])),
+                     with_self=bool(lls[SELF]), p_no_context=math.exp(r["no_context_loglik"]),
+                     p_best_self=math.exp(max(lls[SELF])) if lls[SELF] else 0.0,
                      p_best_wiki=math.exp(max(lls[WIKI])) if lls[WIKI] else 0.0)
 
     def summary(a: Counter) -> dict:
@@ -52,14 +53,18 @@ def construct_stats(out_dir: str | os.PathLike, skipped: dict[str, int], params=
 
         return {"n": a["n"], "self_pct": pct("self"), "flip_pct": pct("flip"),
                 "no_kv_label_differs_pct": pct("no_kv_differs"), "selective_wiki_pct": pct("selective_wiki"),
-                "mean_p": {"no_context": mean("p_no_context"), "best_self": mean("p_best_self"),
+                "mean_p": {"no_context": mean("p_no_context"), "best_self": mean("p_best_self", "with_self"),
                            "best_wiki": mean("p_best_wiki", "with_wiki")},
                 "verbalizations": a["verbalizations"], **{k: int(a[k]) for k in _COUNTS}}
 
+    round1 = [r for p in sorted(Path(out_dir).glob(f"{ROUND1}/shard-*.jsonl")) for r in read_jsonl(p)]
+    for name, total in Counter(r["dataset"] for r in round1).items():  # round 1 holds every question
+        a = acc.setdefault(name, Counter())
+        a["no_context"] = total - a["n"]  # every verbalization empty and no passage: no record
     out = {"datasets": {name: summary(a) for name, a in sorted(acc.items())},
            "all": summary(sum(acc.values(), Counter())), "params": dataclasses.asdict(params) if params else None}
-    round1 = [r for p in sorted(Path(out_dir).glob(f"{ROUND1}/shard-*.jsonl")) for r in read_jsonl(p)]
     out["all"]["round1_truncated"] = sum(r["truncated"] for r in round1)
+    out["all"]["round1_empty"] = sum(not r["document"] for r in round1)
     return out
 
 
@@ -69,12 +74,17 @@ def stats_markdown(stats: dict) -> str:
         return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
 
     head = ("| dataset | n | % Self (Table 5) | % flip (Fig. 3) | % no-kv label differs | % Selective Wiki "
-            "| truncated verb. | short / no retrieval | skipped (no answer) |")
-    rows = [head, "|" + "---|" * 9]
+            "| truncated / kept verb. | empty verb. | short / no retrieval | skipped (no answer / no context) |")
+    rows = [head, "|" + "---|" * 10]
     for name, e in [*stats["datasets"].items(), ("all", stats["all"])]:
         rows.append(f"| {name} | {e['n']} | {cell(e['self_pct'])} | {cell(e['flip_pct'])} | "
                     f"{cell(e['no_kv_label_differs_pct'])} | {cell(e['selective_wiki_pct'])} | "
-                    f"{e['truncated_verbalizations']} / {e['verbalizations']} | "
+                    f"{e['truncated_verbalizations']} / {e['verbalizations']} | {e['empty_verbalizations']} | "
                     f"{e['short_retrieval']} / {e['no_wiki']} | "
-                    f"{e['skipped_no_answer']} |")
+                    f"{e['skipped_no_answer']} / {e.get('no_context', 0)} |")
+    rows.append("\nAn empty GenRead document is drawn again with sampling (at most "
+                f"{EMPTY_REDRAWS} times); one still empty is no context (never c_i+ or c_i-) and is counted "
+                "under *empty verb.* A question left with fewer than n verbalizations is labelled from those it "
+                "has: the Self side sums p(a | q, c_i) over fewer documents (so it leans to Wiki), c_i+ / c_i- "
+                "are its best / worst kept ones, and the no-kv label still compares with n no-context terms.")
     return "\n".join(rows) + "\n"

@@ -1,0 +1,93 @@
+"""Config mistakes are user errors: one `error:` line, exit code 2, no traceback (`python -m
+jaxrag.train`); a field the chosen mode does not read is refused when the user set it, never when
+it is a default; overrides keep their field's type."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxrag import config_check, pipeline
+from jaxrag.config import paper_config, tiny_config
+from jaxrag.errors import JaxragError
+
+REPO = Path(__file__).parent.parent
+
+
+def train_cli(tmp_path, config: str, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxrag.train", "--config", config, "--workdir",
+                           str(tmp_path / "w"), *overrides], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+@pytest.mark.parametrize("config, overrides, says", [
+    ("configs/qwen.py:tiny", ["--config.stage1.learning_rate=3"], "stage1.learning_rate does not exist; did you mean stage1.lr?"),
+    ("configs/qwen.py:tiny", ["--config.inference.tua=0.3"], "did you mean inference.tau?"),
+    ("configs/qwen.py:huge", [], "unknown config size 'huge'"),
+    ("configs/nope.py", [], "no such config file 'configs/nope.py'"),
+    ("configs/qwen.py:tiny", ["--config.stage1.lr=fast"], "stage1.lr is a number"),
+    ("configs/qwen.py:tiny", ["--config.inference.k=2.5"], "inference.k is an integer"),
+    ("configs/qwen.py:tiny", ["--config.stage1=3"], "stage1 is a section"),
+    ("configs/qwen.py:tiny", ["--config.data.paths.popqa=/missing/file.jsonl"],
+     "data.paths.popqa is set, but the embedded world"),
+    ("configs/qwen.py:tiny", ["--config.retrieval.corpus=/data/psgs_w100.tsv"], "retrieval.corpus is set, but the embedded"),
+    ("configs/qwen.py:tiny", ["--config.model.path=Qwen/Qwen2.5-7B-Instruct", "--config.pretrain.steps=5"],
+     "pretrain.steps is set, but with a real model"),
+    ("configs/qwen.py", ["--config.data.paths.popqa=/missing/popqa.jsonl"], "data.paths.popqa=/missing/popqa.jsonl: no such file"),
+    ("configs/qwen.py", ["--config.world.seed=3"], "world.seed does not exist; did you mean seed?"),
+    ("configs/qwen.py:tiny", ["--config.pipeline.rerun_from=stage9"], "rerun_from='stage9': not a stage"),
+    ("configs/qwen.py:tiny", ["--workdri=x"], "Unknown command line flag 'workdri'"),
+])
+def test_each_config_mistake_is_one_line_and_exit_2(tmp_path, config, overrides, says):
+    proc = train_cli(tmp_path, config, *overrides)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+    assert not (tmp_path / "w").exists()  # refused before anything was done
+
+
+def test_overrides_keep_their_types_and_lists_split_on_commas():
+    cfg, user = config_check.load_config(str(REPO / "configs/qwen.py") + ":tiny", [
+        ("stage1.lr", "1e-3"), ("inference.k", "7"), ("data.eval", "popqa,arc_challenge"), ("seed", "3"),
+        ("model.arch.rope_theta", "500000.0")])  # model.arch takes any Hugging Face config field
+    assert (cfg.stage1.lr, cfg.inference.k, cfg.data.eval, cfg.world.seed) == (1e-3, 7, ["popqa", "arc_challenge"], 3)
+    assert cfg.model.arch.rope_theta == 500000.0 and user == {"stage1.lr", "inference.k", "data.eval", "seed",
+                                                            "model.arch.rope_theta"}
+    config_check.check_config(cfg, user)
+
+
+def test_split_argv_takes_every_override_form():
+    rest, overrides = config_check.split_argv(["prog", "--config", "c.py", "--config.a.b=1", "--config.c", "x",
+                                               "--noconfig.d", "--config.e", "--workdir=w"])
+    assert rest == ["prog", "--config", "c.py", "--workdir=w"]
+    assert overrides == [("a.b", "1"), ("c", "x"), ("d", "false"), ("e", "true")]
+
+
+def test_defaults_a_mode_ignores_are_not_errors():
+    config_check.check_config(tiny_config("qwen2"))  # data.paths.*, retrieval.corpus: defaults
+    real = tiny_config("llama")
+    real.model.path = "meta-llama/Llama-2-7b-chat-hf"  # the tiny config's world / pretrain: defaults
+    config_check.check_config(real)
+    config_check.check_config(paper_config("phi3"))
+
+
+def test_a_config_file_that_sets_an_unread_field_is_refused(tmp_path):
+    """Fields a config file changes against the shipped config count as set by the user."""
+    (tmp_path / "mine.py").write_text("from jaxrag.config import tiny_config\n\ndef get_config():\n"
+                                      "    cfg = tiny_config('qwen2')\n    cfg.data.paths.nq = '/data/nq.jsonl'\n"
+                                      "    return cfg\n")
+    proc = train_cli(tmp_path, str(tmp_path / "mine.py"))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: data.paths.nq is set, but the embedded world")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_python_api_refuses_the_same_mistakes(tmp_path):
+    cfg = tiny_config("qwen2")
+    cfg.retrieval.passage_embeddings = "/data/wikipedia_passages_0.pkl"
+    with pytest.raises(JaxragError, match="retrieval.passage_embeddings is set, but the embedded world"):
+        pipeline.run(cfg, tmp_path / "w")
+    cfg = tiny_config("qwen2")
+    cfg.stage1.learnign_rate = 1.0  # a typo in Python adds a field
+    with pytest.raises(JaxragError, match="stage1.learnign_rate does not exist; did you mean stage1.lr"):
+        pipeline.run(cfg, tmp_path / "w")
+    assert not (tmp_path / "w").exists()
