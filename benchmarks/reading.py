@@ -4,7 +4,7 @@ reading_comprehension`, loss on the answers) and every `--every` steps measures 
 on held-out single-passage fact questions about fresh entities. Prints one JSON object per
 evaluation (JSON lines), then a summary.
 
-    python benchmarks/bench_reading.py [--steps 600] [--every 100] [--lr 2e-3] [--hidden 128]
+    python -m benchmarks.reading [--steps 600] [--every 100] [--lr 2e-3] [--hidden 128]
 
 This is the probe for the base stage's unmet target (gold passage tail >= 0.8): copying must
 switch on here, cheaply, before the base budget is spent on it.

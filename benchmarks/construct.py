@@ -1,6 +1,6 @@
 """Data-construction throughput (Algorithm 1) of a random embedded-default-sized decoder.
 
-    python benchmarks/bench_construct.py [--questions 8] [--new 48] [--hidden 256] -> JSON on stdout
+    python -m benchmarks.construct [--questions 8] [--new 48] [--hidden 256] -> JSON on stdout
 
 A warm-up run compiles every program; a second run on fresh questions of the same shapes is
 timed (questions/s, and the split between GenRead generation and likelihood scoring). A random

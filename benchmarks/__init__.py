@@ -1,0 +1,8 @@
+"""Benchmarks, run on demand (never in tests); each prints JSON and the peer comparisons write it.
+
+    python -m benchmarks.train --json OUT       train step vs transformers + torch AdamW (+ MFU on accelerators)
+    python -m benchmarks.decode --json OUT      greedy decode vs transformers `generate`, same weights
+    python -m benchmarks.retrieval --n N --dim D --json OUT   ScaNN vs exact search (+ encoder, datastore)
+    python -m benchmarks.construct              Algorithm 1 throughput of an embedded-default-sized model
+    python -m benchmarks.reading                how fast reading comprehension emerges in the tiny model
+"""

@@ -1,0 +1,70 @@
+"""The peer benchmarks at toy sizes: each writes the JSON keys its issue names, and the checks
+inside them hold against their references (greedy tokens == transformers' teacher-forced argmax,
+exact search == numpy's top 10). Speed itself is never asserted here (see benchmarks/)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import decode, retrieval, train
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+       "--vocab", "256"]
+
+
+def test_decode_writes_the_contract_and_matches_transformers(tmp_path):
+    out = tmp_path / "decode.json"
+    result = decode.main(["--json", str(out), *TOY, "--prompt", "8", "--new", "6", "--batches", "1,3",
+                          "--repeats", "1"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [r["batch"] for r in result["results"]] == [1, 3]
+    for row in result["results"]:
+        assert {"batch", "jaxrag_tok_s", "hf_tok_s", "identical"} <= set(row)
+        assert row["identical"] and row["teacher_forced_match"] == 1.0
+        assert row["jaxrag_tok_s"] > 0 and row["hf_tok_s"] > 0
+
+
+def test_train_writes_the_contract(tmp_path):
+    out = tmp_path / "train.json"
+    result = train.main(["--json", str(out), *TOY, "--batch", "4", "--seq", "16", "--steps", "1", "--rounds", "1"])
+    assert json.loads(out.read_text())["jaxrag_tok_s"] == result["jaxrag_tok_s"] > 0
+    assert result["torch_tok_s"] > 0 and 0 < result["peak_fraction"] < 1
+    # PaLM's count for this config: 6 x matmul params + 12 x layers x heads x head_dim x seq
+    e, layers, heads, kv, hd, inter, vocab = 64, 2, 4, 2, 16, 128, 256
+    params = layers * (e * heads * hd + 2 * e * kv * hd + heads * hd * e + 3 * e * inter) + e * vocab
+    assert result["flops_per_token"] == 6 * params + 12 * layers * heads * hd * 16
+
+
+def test_retrieval_writes_the_contract_and_exact_search_is_exact(tmp_path):
+    out = tmp_path / "retrieval.json"
+    result = retrieval.main(["--n", "3000", "--dim", "32", "--queries", "64", "--clusters", "50",
+                             "--intrinsic-dim", "8", "--repeats", "1", "--encoder-passages", "8",
+                             "--datastore-keys", "400", "--json", str(out)])
+    assert {"n", "dim", "recall_at_10", "scann_qps", "exact_qps", "build_s", "index_bytes"} <= set(result)
+    assert (result["n"], result["dim"]) == (3000, 32)
+    assert result["exact_recall_at_10"] == 1.0 and result["recall_at_10"] >= 0.9
+    assert result["encoder"]["passages"] == 8 and result["datastore"]["keys"] == 400
+    assert json.loads(out.read_text())["index_bytes"] == result["index_bytes"] > 0
+
+
+def test_recall_counts_ties_and_duplicates_once():
+    import numpy as np
+
+    x = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], np.float32)  # rows 0 and 1 tie
+    q = np.array([[1.0, 0.0]], np.float32)
+    kth = retrieval.brute_force_kth(x, q, 1)
+    assert retrieval.recall_at_k(x, q, np.array([[1]]), kth) == 1.0  # either tied row is right
+    assert retrieval.recall_at_k(x, q, np.array([[2]]), kth) == 0.0
+    kth2 = retrieval.brute_force_kth(x, q, 2)
+    assert retrieval.recall_at_k(x, q, np.array([[0, 0]]), kth2) == 0.5  # a duplicate counts once
+
+
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
+    for args in (["benchmarks.decode", "--json", str(tmp_path / "no" / "x.json")],
+                 ["benchmarks.train", "--json", str(tmp_path / "x.json"), "--heads", "3"],
+                 ["benchmarks.retrieval", "--n", "0", "--json", str(tmp_path / "x.json")]):
+        proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
+        assert "error:" in proc.stderr
