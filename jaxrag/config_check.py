@@ -238,6 +238,14 @@ def user_set_fields(cfg: ConfigDict, explicit: Iterable[str] = ()) -> set[str]:
     return out | {k for k in flat for e in explicit if under(k, e)}
 
 
+def choices() -> dict[str, tuple[str, ...]]:
+    """Fields with a closed set of values, from the modules that read them."""
+    from jaxrag.eval.methods import PROTOCOLS
+    from jaxrag.models.decoder import REMAT_POLICIES
+
+    return {"model.remat": tuple(REMAT_POLICIES), "eval.thresholds": PROTOCOLS}
+
+
 def check_config(cfg: ConfigDict, explicit: Iterable[str] = ()) -> None:
     """Raises one JaxragError line for the config's mistakes: a field the reference config lacks
     (with the closest name) or misses, a value of the wrong type, a field the chosen mode does not
@@ -249,6 +257,9 @@ def check_config(cfg: ConfigDict, explicit: Iterable[str] = ()) -> None:
         if name in ref and not _same_type(value, ref[name]):
             raise JaxragError(f"config field {name} = {value!r} is a {type(value).__name__}; "
                               f"it must be a {type(ref[name]).__name__} like {ref[name]!r}")
+    for name, allowed in choices().items():
+        if flat.get(name) not in allowed:
+            raise JaxragError(f"config field {name}={flat.get(name)!r}: choose one of {', '.join(allowed)}")
     missing = [name for name in ref if name not in flat and not any(under(name, p) for p in OPEN_SECTIONS)]
     if missing:
         raise JaxragError(f"config field {missing[0]} is missing (configs must start from jaxrag.config's "

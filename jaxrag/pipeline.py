@@ -113,7 +113,8 @@ def gold_passage_recall(cfg: ConfigDict, workdir: Path, index_dir: Path) -> dict
 
 def export_stage(cfg: ConfigDict, workdir: Path) -> Path:
     """The final SR-RAG model (stage 2) in Hugging Face format, with what routing needs beside
-    the weights (`jaxrag.serve`: policy datastore, the validation-tuned tau, k, index)."""
+    the weights (`jaxrag.serve`: policy datastore, the tau eval used (`inference.tau` under the
+    paper's protocol), k, index)."""
     from jaxrag.models.model import export_hf, load_model
     from jaxrag.pipeline_srrag import route_config
     from jaxrag.serve import write_serving_files

@@ -29,13 +29,13 @@ import json
 from pathlib import Path
 
 from absl import app, flags
-from ml_collections import config_flags
 
+from jaxrag.cli import ConfigFlag
 from jaxrag.errors import JaxragError
 from jaxrag.plan_fit import (ACCELERATORS, DEFAULT_FRACTION, DEFAULT_HEADROOM, DEFAULT_MFU, failures, measure,
                              plan_devices, table)
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<model>.py", lock_config=False)
+_CONFIG = ConfigFlag()  # config mistakes: one `error:` line, exit 2, as jaxrag.train
 _DEVICES = flags.DEFINE_integer("devices", 8, "devices to plan for")
 _MEMORY = flags.DEFINE_float("device_memory_gb", None, "memory per device, GB (default: the accelerator's)")
 _ACCEL = flags.DEFINE_enum("accelerator", "h100", list(ACCELERATORS), "peak FLOP/s, bandwidth, memory")
@@ -44,11 +44,12 @@ _FRACTION = flags.DEFINE_float("memory_fraction", DEFAULT_FRACTION, "share of de
 _HEADROOM = flags.DEFINE_float("headroom", DEFAULT_HEADROOM, "share of the usable memory kept free")
 _MFU = flags.DEFINE_float("mfu", DEFAULT_MFU, "model FLOPs utilisation assumed for the time estimates")
 _JSON = flags.DEFINE_string("json", None, "write the plan as JSON here")
-flags.mark_flags_as_required(["config"])
 
 
 def main(argv) -> None:
-    del argv
+    if len(argv) > 1:
+        print(f"error: unexpected argument {argv[1]!r} (flags are --name=value)", file=sys.stderr)
+        raise SystemExit(2)
     from jaxrag.cli import run
 
     def plan():
@@ -79,4 +80,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_CONFIG.parse)

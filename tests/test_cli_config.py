@@ -46,6 +46,18 @@ def test_each_config_mistake_is_one_line_and_exit_2(tmp_path, config, overrides,
     assert not (tmp_path / "w").exists()  # refused before anything was done
 
 
+@pytest.mark.parametrize("overrides, says", [
+    (["--config", "configs/qwen.py", "--config.stage1.learning_rate=3"], "did you mean stage1.lr?"),
+    (["--config", "configs/qwen.py:huge"], "unknown config size 'huge'"),
+    (["--config", "configs/qwen.py", "--config.model.remat=some"], "model.remat"),
+])
+def test_plan_takes_the_same_config_flag(overrides, says):
+    proc = subprocess.run([sys.executable, "-m", "jaxrag.plan", "--devices", "2", *overrides], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+
+
 def test_overrides_keep_their_types_and_lists_split_on_commas():
     cfg, user = config_check.load_config(str(REPO / "configs/qwen.py") + ":tiny", [
         ("stage1.lr", "1e-3"), ("inference.k", "7"), ("data.eval", "popqa,arc_challenge"), ("seed", "3"),

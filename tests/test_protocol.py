@@ -225,3 +225,23 @@ def test_fast_auroc_equals_sklearn():
         labels, scores = rng.random(50) < 0.3, np.round(rng.random(50), 1)  # rounding makes ties
         assert stats.auroc(labels, scores) == pytest.approx(roc_auc_score(labels, scores))
     assert np.isnan(stats.auroc(np.ones(3, bool), np.arange(3.0)))
+
+
+def test_tau_curves_average_datasets_then_workdirs_and_ties_go_to_less_retrieval():
+    from jaxrag.eval import tau
+
+    # workdir A: nq (2 questions) + fever (2); retrieval helps exactly where the score >= 0.5
+    a = make_paths(["nq", "nq", "fever", "fever"], [1, 0, 1, 0], [0, 1, 0, 1])
+    b = make_paths(["nq", "nq"], [1, 1], [0, 0])  # workdir B: verbalizing is always right
+    score_a, score_b = np.array([0.1, 0.5, 0.3, 0.9]), np.array([0.2, 0.6])
+    per = [{rule: (a, score_a) for rule in tau.RULES}, {rule: (b, score_b) for rule in tau.RULES}]
+    points = {p["threshold"]: p for p in tau.curves(per)["srrag"]}
+    for t in (0.05, 0.25, 0.45, 0.55, 0.95):
+        r_a, r_b = score_a > t, score_b > t
+        acc_a = np.mean([np.mean(np.where(r_a, [0, 1, 0, 1], [1, 0, 1, 0])[s]) for s in (slice(0, 2), slice(2, 4))])
+        acc_b = np.mean(np.where(r_b, [0, 0], [1, 1]))
+        assert points[t]["acc"] == pytest.approx((acc_a + acc_b) / 2)
+        assert points[t]["rag_frac"] == pytest.approx((np.mean([r_a[:2].mean(), r_a[2:].mean()]) + r_b.mean()) / 2)
+    # by hand: 0.75 on [0.3, 0.5), 0.625 on [0.5, 0.6), 0.875 on [0.6, 0.9): the larger tie wins
+    best = tau.best(tau.curves(per)["srrag"])
+    assert (best["threshold"], best["acc"]) == (0.85, pytest.approx(0.875))
