@@ -3,6 +3,7 @@ in DESIGN.md §5's schema with the twelve methods, the export loading in transfo
 final model's logits, `stop_after`, and a rerun that skips finished stages."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -144,10 +145,87 @@ def test_export_is_the_final_model_in_transformers(workdir):
     np.testing.assert_allclose(np.asarray(base.logits([ids])), want, atol=1e-4)
 
 
+def statuses(out: str) -> list[str]:
+    """The status word of each stage's progress line ("done", "running")."""
+    return [line.split(":")[1].strip().split()[0] for line in out.splitlines()
+            if line.startswith("[") and "finished in" not in line]
+
+
+def file_digests(root: Path, parts=None) -> dict[str, tuple[str, int]]:
+    """relative path -> (sha256, mtime_ns) of every file under root (or under its `parts`)."""
+    import hashlib
+
+    tops = [root / p for p in parts] if parts else [root]
+    return {str(f.relative_to(root)): (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns)
+            for top in tops for f in sorted(top.rglob("*")) if f.is_file()}
+
+
 def test_rerun_skips_finished_stages(workdir, capsys):
     pipeline.run(mini_config(), workdir)
+    assert statuses(capsys.readouterr().out) == ["done"] * 10
+    records = {p.stem: json.loads(p.read_text()) for p in (workdir / "inputs").glob("*.json")}
+    assert set(records) == {"world", "base", "index", "construct", "stage1", "stage2", "datastore", "baselines",
+                            "eval", "export"}
+    assert records["stage1"]["inputs"]["stage1.lr"] == 3e-4 and "inference.tau" not in records["stage1"]["inputs"]
+
+
+def test_a_changed_training_field_stops_before_anything(workdir):
+    """`python -m jaxrag.train` on the finished workdir with another stage-1 lr: one line naming
+    the stale stage and the field, exit 2, not one file touched."""
+    before = file_digests(workdir)
+    cmd = [sys.executable, "-m", "jaxrag.train", "--config", "configs/qwen.py:tiny", "--workdir", str(workdir),
+           *(f"--config.{k}={v}" for k, v in mini_overrides().items()), "--config.stage1.lr=0.001"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "stage1 was built from another config (stage1.lr 0.0003 → 0.001)" in proc.stderr
+    assert "--config.pipeline.rerun_from=stage1" in proc.stderr and "[" not in proc.stdout
+    assert file_digests(workdir) == before
+
+
+def test_rerun_from_redoes_exactly_the_stages_from_there(workdir, tmp_path, capsys):
+    w = tmp_path / "w"
+    shutil.copytree(workdir, w)
+    cfg = mini_config()
+    cfg.pipeline.rerun_from = "export"
+    before = file_digests(w)
+    pipeline.run(cfg, w)
+    assert statuses(capsys.readouterr().out) == ["done"] * 9 + ["running"]
+    after = file_digests(w)
+    assert {k: v for k, v in after.items() if not k.startswith(("export", "inputs"))} == \
+           {k: v for k, v in before.items() if not k.startswith(("export", "inputs"))}
+    assert after["export/config.json"][1] != before["export/config.json"][1]  # rewritten
+    cfg.pipeline.update(rerun_from="stage2", stop_after="stage2")
+    pipeline.run(cfg, w)
+    assert statuses(capsys.readouterr().out) == ["done"] * 5 + ["running"]
+    rebuilt = file_digests(w)
+    assert all(rebuilt[k] == v for k, v in before.items() if k.startswith(("base/", "stage1/", "construct/")))
+    assert rebuilt["stage2/model/jaxrag.json"][1] != before["stage2/model/jaxrag.json"][1]
+    # what was built from the old stage 2 is not trusted any more
+    with pytest.raises(JaxragError, match=r"datastore was built from another config \(stage2 was rebuilt since\)"):
+        pipeline.run(mini_config(), w)
+
+
+def test_an_eval_only_change_redoes_eval_and_export_only(workdir, tmp_path, capsys):
+    """inference.tau (a constant of the paper's protocol) changes the results and the served
+    tau; every trained model and earlier artifact keeps its bytes."""
+    w = tmp_path / "w"
+    shutil.copytree(workdir, w)
+    earlier = ["world", "base", "index", "construct", "stage1", "stage2", "datastore", "baselines"]
+    before = file_digests(w, earlier)
+    cfg = mini_config()
+    cfg.inference.tau = 0.5
+    pipeline.run(cfg, w)
     out = capsys.readouterr().out
-    assert [line.split(":")[1].strip().split()[0] for line in out.splitlines() if line.startswith("[")] == ["done"] * 10
+    assert statuses(out) == ["done"] * 8 + ["running"] * 2
+    assert "eval: running (inputs changed: inference.tau 0.35 → 0.5)" in out
+    assert file_digests(w, earlier) == before
+    results = json.loads((w / "results.json").read_text())
+    assert results["config"]["inference"]["tau"] == 0.5 == results["config"]["thresholds"]["srrag"]
+    from jaxrag.serve import SRRAG
+
+    assert SRRAG.load(w / "export").tau == 0.5
+    pipeline.run(cfg, w)  # the same config again: nothing to do
+    assert statuses(capsys.readouterr().out) == ["done"] * 10
 
 
 def test_stop_after_stops(tmp_path, capsys):

@@ -44,8 +44,9 @@ def test_qwen_paper_config_every_program_fits_8x80gb(tmp_path):
     # Stage 2 runs chosen + rejected rows: twice stage 1's tokens and FLOPs.
     assert rows["stage2 step"]["tokens"] == 2 * rows["stage1 step"]["tokens"] == 2 * 64 * 1024
     assert rows["stage2 step"]["flops"] == pytest.approx(2 * rows["stage1 step"]["flops"])
-    # ~6 x params x tokens (+1/3 for block remat's recompute, + attention and head).
-    assert 8 * 7.0e9 * 65536 < rows["stage1 step"]["flops"] < 8 * 7.0e9 * 65536 * 1.4
+    # ~6 x params x tokens, + 1/3 for block remat's recompute (8x), + attention and the head;
+    # Qwen2.5-7B multiplies 6.53B weights per token in its layers.
+    assert 8 * 6.5e9 * 65536 < rows["stage1 step"]["flops"] < 8 * 6.5e9 * 65536 * 1.3
     assert "(the paper: ~10 h on 8 x A800)" in proc.stdout
 
 
