@@ -148,8 +148,10 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
 
     def extend_program(name, rows, chunk, slots, calls, fixes, hidden_layer=None):
         dtype = jnp.dtype(dec_cfg.dtype)
-        state = sampler.DecodeState(init_cache(dec_cfg, rows, slots, dtype), jnp.zeros((rows, slots), bool),
-                                    jnp.zeros((rows,), i32), jnp.zeros((), i32), jnp.zeros((rows, dec_cfg.padded_vocab_size), f32))
+        # shapes only: a 7B KV cache (tens of GB) must never be allocated on the planning host
+        state = jax.eval_shape(lambda: sampler.DecodeState(
+            init_cache(dec_cfg, rows, slots, dtype), jnp.zeros((rows, slots), bool), jnp.zeros((rows,), i32),
+            jnp.zeros((), i32), jnp.zeros((rows, dec_cfg.padded_vocab_size), f32)))
         bs, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
         cache_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES))
         state_sh = sampler.DecodeState(sampler.KVCache(cache_sh, cache_sh), bs, bs, rep, bs)

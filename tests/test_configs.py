@@ -56,8 +56,14 @@ def test_every_parameter_has_logical_axis_names():
                         num_heads=4, num_kv_heads=2, head_dim=4, qkv_bias=True, o_bias=True)
     state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    assert len(leaves) == 3 + 2 * 13  # embed, lm_head, final norm; 8 attention + 3 mlp + 2 norms per layer
+    # embed, lm_head, final norm; 8 attention + 3 mlp + 2 norms, each stacked over the layers
+    assert len(leaves) == 3 + 13
     names = {"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm"}
+    stacked = 0
     for var in leaves:
         axes = var.get_metadata()["out_sharding"]
-        assert len(axes) == len(var.shape) and set(axes) <= names
+        assert len(axes) == len(var.shape) and set(axes) <= names | {"layers"}
+        if "layers" in axes:
+            assert axes[0] == "layers" and var.shape[0] == cfg.num_layers and axes.count("layers") == 1
+            stacked += 1
+    assert stacked == 13

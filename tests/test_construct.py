@@ -153,7 +153,9 @@ def test_labels_and_best_worst_equal_a_direct_computation(built):
             others = [q for q, k in zip(pool["ids"], pool["clusters"]) if k == cluster and q != r["id"]]
             assert c["cluster"] == cluster and c["demos"] == min(1, len(others))
     assert min(margins) > 1e-3  # labels are not decided by float noise
-    assert {r["label"] for r in records} == {"self", "wiki"}  # both sources occur on this toy set
+    # which labels a random toy model produces depends on its sampled verbalizations; both
+    # branches of the rule are pinned on hand-made likelihoods below
+    assert {r["label"] for r in records} <= {"self", "wiki"}
     loaded = C.read_construct(out, m.sources)  # the trainer's reader accepts every record
     assert [t.id for t in loaded] == [r["id"] for r in records]
     stats = json.loads((out / "stats.json").read_text())

@@ -266,6 +266,10 @@ def test_written_world_and_tokenizer(world, written):
         assert tok.convert_ids_to_tokens(token_id) == token
         assert ids.count(token_id) == prompt.count(token)
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
+    # every value the world uses (a pool value no text mentions earns no merges and may split)
+    corpus_words = set(" ".join(p["contents"] for p in corpus).replace(".", " ").replace(",", " ").split())
+    answers = {a for splits in world.datasets().values() for xs in splits.values() for e in xs for a in e.golden_answers}
     values = {v for kind, pool in world.pools.items()
-              if kind not in ("first_name", "last_name", "band") for v in pool}
+              if kind not in ("first_name", "last_name", "band") for v in pool if v in corpus_words or v in answers}
+    assert len(values) > 300
     assert all(len(tok(" " + v)["input_ids"]) == 1 for v in values)  # one uniform format
