@@ -245,3 +245,28 @@ def test_tau_curves_average_datasets_then_workdirs_and_ties_go_to_less_retrieval
     # by hand: 0.75 on [0.3, 0.5), 0.625 on [0.5, 0.6), 0.875 on [0.6, 0.9): the larger tie wins
     best = tau.best(tau.curves(per)["srrag"])
     assert (best["threshold"], best["acc"]) == (0.85, pytest.approx(0.875))
+
+
+def test_latency_is_measured_after_an_untimed_warm_up_per_model(monkeypatch):
+    """Compilation is not latency: the first measured method of each model routes its questions
+    once untimed; the run that is kept is the second (the same batches, now compiled)."""
+    from jaxrag.decode.routing import Routed
+
+    calls = []
+
+    def fake_route_items(model, items, policy, retrieve, cfg, bs, desc):
+        calls.append(desc)
+        seconds = 5.0 if len([c for c in calls if c.startswith(model)]) == 1 else 1.0  # a compile is slow
+        return [Routed(ex.question, WIKI, [1.0, 0.0], None, None, "", "a", False, {"T_d": seconds})
+                for _, ex in items]
+
+    monkeypatch.setattr(latency, "route_items", fake_route_items)
+    ev = Evaluation(tiny_config("qwen2"), NoSelectors())
+    paths = make_paths(["popqa"] * 2, [0, 0], [1, 1], p_wiki=[0.9, 0.9])
+    d = Decision(np.array([True, True]), np.array([0.9, 0.9]))
+    for name, model in (("srrag", "srrag"), ("srrag_no_knn", "srrag"), ("selective_rag", "selective")):
+        ev.results["average"][name], ev.results["datasets"]["popqa"] = {"acc": 1.0, "rag_frac": 1.0}, {name: {}}
+        ev.measured(Method(name, model, "tau"), model, None, paths, d, None, np.arange(2))
+        assert ev.results["latency"][name]["latency_s"] == 1.0  # the warm-up's 5 s is never kept
+    assert calls == ["srrag warm-up", "srrag latency", "srrag_no_knn latency", "selective warm-up",
+                     "selective_rag latency"]
