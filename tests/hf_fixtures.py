@@ -66,3 +66,17 @@ def make_hf_model(out: Path, variant: str, spare_rows: int = 20, seed: int = 0):
     model = model_cls(cfg).eval()
     model.save_pretrained(out)
     return model
+
+
+def torch_minilm(texts: list[str]) -> np.ndarray:
+    """all-MiniLM-L6-v2 as sentence-transformers runs it: BertModel, mean pooling, L2 norm."""
+    from jaxrag.models.encoder_io import default_encoder_path
+
+    path = str(default_encoder_path())
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.BertModel.from_pretrained(path).eval()
+    batch = tok(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()

@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from hf_fixtures import torch_minilm
 from jaxrag.errors import JaxragError
 from jaxrag.models.encoder import DEFAULT_ENCODER_NAME
 from jaxrag.models.encoder_io import (default_encoder_path, embedding_space, load_encoder,
@@ -35,14 +36,7 @@ def test_minilm_matches_torch_mean_pooling(minilm):
     assert minilm.name == DEFAULT_ENCODER_NAME and minilm.dim == 384
     assert (minilm.pooling, minilm.normalize, minilm.max_length) == ("mean", True, 256)
     ours = minilm.encode(SENTENCES, batch_size=4)
-    path = str(default_encoder_path())
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.BertModel.from_pretrained(path).eval()
-    batch = tok(SENTENCES, padding=True, truncation=True, max_length=256, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"][..., None].float()
-    ref = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    ref = torch_minilm(SENTENCES)
     assert cosine(ours, ref).min() > 0.9999
     np.testing.assert_allclose(np.linalg.norm(ours, axis=-1), 1.0, atol=1e-5)
 

@@ -9,13 +9,11 @@ import json
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
-from jaxrag.models.encoder_io import default_encoder_path
 from jaxrag.retrieval.__main__ import main as retrieval_cli
 from jaxrag.retrieval.corpus import read_corpus
 from jaxrag.retrieval.retriever import Retriever
+from hf_fixtures import torch_minilm
 from real_fixtures import corpus_titles, questions, wiki_paragraphs, write_documents
 
 DISTRACTORS = 600
@@ -71,23 +69,11 @@ def test_minilm_finds_the_gold_paragraph(hits):
     assert recall_at_k >= 0.9, missed
 
 
-def _torch_minilm(texts: list[str]) -> np.ndarray:
-    """all-MiniLM-L6-v2 as sentence-transformers runs it: BertModel, mean pooling, L2 norm."""
-    path = str(default_encoder_path())
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.BertModel.from_pretrained(path).eval()
-    batch = tok(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"][..., None].float()
-    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
-
-
 def test_scores_equal_transformers_minilm(hits):
     qs = [q["question"] for q in questions()][:12]
     passages = [h.passage for row in hits[: len(qs)] for h in row]
-    ref_q = _torch_minilm(qs)
-    ref_p = _torch_minilm([p.contents for p in passages])  # the index embeds `title\ntext`
+    ref_q = torch_minilm(qs)
+    ref_p = torch_minilm([p.contents for p in passages])  # the index embeds `title\ntext`
     ref_scores = np.einsum("qd,qkd->qk", ref_q, ref_p.reshape(len(qs), K, -1))
     ours = np.array([[h.score for h in row] for row in hits[: len(qs)]])
     np.testing.assert_allclose(ours, ref_scores, atol=2e-5)
