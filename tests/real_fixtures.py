@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS_FILE = Path(__file__).parent / "data" / "wiki_questions.json"
 
 
