@@ -94,7 +94,7 @@ def main() -> None:
     curve, recent, step, epoch, start = [], [], 0, 0, time.time()
     while step < args.steps:
         for rows in data.order(epoch, batch):
-            state, metrics = step_fn(state, data.rows(rows, epoch))
+            state, metrics = step_fn(state, data.rows(rows, epoch), {})
             step += 1
             recent.append(float(metrics["loss"]))
             if step % args.every == 0 or step == args.steps:

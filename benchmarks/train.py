@@ -102,7 +102,7 @@ def jaxrag_trainer(cfg: DecoderConfig, batch: dict[str, np.ndarray]):
     def run(n: int) -> float:
         start = time.perf_counter()
         for _ in range(n):
-            holder["state"], metrics = step(holder["state"], device_batch)
+            holder["state"], metrics = step(holder["state"], device_batch, {})
         loss = float(metrics["loss"])  # waits for the last step
         if not np.isfinite(loss):
             raise RuntimeError(f"jaxrag train step: loss {loss}")

@@ -48,6 +48,11 @@ def paper_config(family: str) -> ConfigDict:
         # (only its input; the layer is recomputed, ~1/3 more compute) or "dots" (its matmul
         # outputs too). A 7B step at batch 64 x 1024 on 8 x 80 GB fits with "block" (jaxrag.plan).
         remat="block",
+        # LoRA for both stages (rank 0 = full fine-tuning, the paper's): adapters on `targets`
+        # among q k v o gate up down, scaled alpha / rank, plus the SR-RAG tokens' embedding
+        # rows; the frozen base in base_dtype ("auto": bfloat16 on accelerators, float32 on CPU).
+        lora=ConfigDict(dict(rank=0, alpha=32.0, targets=["q", "k", "v", "o", "gate", "up", "down"])),
+        base_dtype="auto",
         arch=ConfigDict(),  # only for models trained from scratch (the tiny config)
     ))
     cfg.retrieval = ConfigDict(dict(

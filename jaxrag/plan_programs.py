@@ -135,7 +135,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
         fixes = ([f"--config.{name}.per_device_batch_size={max(1, micro // 2)}"] if micro > 1 else []) + \
             ([] if remat == "block" else ["--config.model.remat=block"])
         steps = int(section.epochs) * math.ceil(TRAIN_QUESTIONS / spec.batch_size)
-        programs.append(Program(f"{name} step", lambda step=step, a=_abstract(abstract, shardings), b=batch: step.lower(a, b),
+        programs.append(Program(f"{name} step", lambda step=step, a=_abstract(abstract, shardings), b=batch: step.lower(a, b, {}),
                                 train_flops(dec_cfg, rows, length, scored, remat), rows * length, steps,
                                 param_bytes, tuple(fixes)))
         if pairs:  # the frozen stage-1 model's log p(c_i+|q), log p(c_i-|q), one micro-batch at a time

@@ -35,6 +35,7 @@ LOGICAL_RULES = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    ("lora_rank", None),  # LoRA adapters: split like the weight they adapt, never along the rank
 )
 
 

@@ -17,6 +17,7 @@ the backward loop). `remat` wraps the scanned layer in `jax.checkpoint` (see `RE
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -34,6 +35,9 @@ REMAT_POLICIES = {
     "block": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+# LoRA target name -> the weight it adapts and how many leading dims of that weight are inputs.
+LORA_TARGETS = {"q": ("wq", 1), "k": ("wk", 1), "v": ("wv", 1), "o": ("wo", 2),
+                "gate": ("w_gate", 1), "up": ("w_up", 1), "down": ("w_down", 1)}
 _MASKED_LOGIT = -1e9  # finite, so 0 * log p stays 0 in losses
 
 
@@ -58,6 +62,11 @@ class DecoderConfig:
     vocab_multiple: int = 128  # pad the vocab so it shards evenly over any mesh axis
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # master weights
+    # LoRA adapters (`jaxrag.models.lora`): W x + (alpha / rank) B A x on the `lora_targets`
+    # projections (names in LORA_TARGETS); rank 0 = none.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     @property
     def padded_vocab_size(self) -> int:
@@ -75,6 +84,32 @@ def resolve_dtype(name: str):
 def _param(rngs: nnx.Rngs, shape, axes, dtype, init=nnx.initializers.normal(0.02)):
     # Axis names are metadata only; placement happens in `jaxrag.sharding` by rules.
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+def add_lora_params(module: nnx.Module, cfg: DecoderConfig, rngs: nnx.Rngs) -> None:
+    """For each LoRA target among `module`'s weights: A [inputs..., rank] (random, scaled by
+    fan-in) and B [rank, outputs...] (zeros, so an untrained adapter changes nothing)."""
+    for target in cfg.lora_targets:
+        name, n_in = LORA_TARGETS[target]
+        if hasattr(module, name):
+            w = getattr(module, name)
+            shape, axes = w[...].shape, w.out_sharding
+            fan_in = math.prod(shape[:n_in])
+            init_a = nnx.initializers.normal(1.0 / math.sqrt(fan_in))
+            setattr(module, f"{name}_lora_a", _param(rngs, (*shape[:n_in], cfg.lora_rank),
+                                                     (*axes[:n_in], "lora_rank"), w[...].dtype, init_a))
+            setattr(module, f"{name}_lora_b", _param(rngs, (cfg.lora_rank, *shape[n_in:]),
+                                                     ("lora_rank", *axes[n_in:]), w[...].dtype, nnx.initializers.zeros))
+
+
+def lora_delta(module: nnx.Module, name: str, x: jax.Array, n_in: int) -> jax.Array | float:
+    """(alpha / rank) B A x for weight `name` contracting x's last `n_in` dims; 0 without an adapter."""
+    if not hasattr(module, f"{name}_lora_a"):
+        return 0.0
+    a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
+    cfg = module.cfg
+    xa = jnp.tensordot(x, a.astype(x.dtype), axes=n_in)
+    return (cfg.lora_alpha / cfg.lora_rank) * jnp.tensordot(xa, b.astype(x.dtype), axes=1)
 
 
 class RMSNorm(nnx.Module):
@@ -122,9 +157,10 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.bo = _param(rngs, (e,), ("embed",), pd, zeros)
         self.cfg = cfg
+        add_lora_params(self, cfg, rngs)
 
-    def _project(self, x, w, bias_name):
-        y = jnp.einsum("bte,enh->btnh", x, w[...].astype(x.dtype))
+    def _project(self, x, name, bias_name):
+        y = jnp.einsum("bte,enh->btnh", x, getattr(self, name)[...].astype(x.dtype)) + lora_delta(self, name, x, 1)
         if hasattr(self, bias_name):
             y = y + getattr(self, bias_name)[...].astype(x.dtype)
         return y
@@ -132,9 +168,9 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, mask, cache: KVCache | None, layer, cache_index):
         """x [b, t, e]; mask [b, 1, t, s] bool; `cache` all layers' (this one is `layer`)
         -> ([b, t, e], updated cache or None)."""
-        q = apply_rope(self._project(x, self.wq, "bq"), cos, sin)
-        k = apply_rope(self._project(x, self.wk, "bk"), cos, sin)
-        v = self._project(x, self.wv, "bv")
+        q = apply_rope(self._project(x, "wq", "bq"), cos, sin)
+        k = apply_rope(self._project(x, "wk", "bk"), cos, sin)
+        v = self._project(x, "wv", "bv")
         if cache is not None:
             # Write this chunk's slots of this layer in place, then read the layer's keys.
             start = (layer, 0, cache_index, 0, 0)
@@ -144,7 +180,7 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False).astype(x.dtype)
         impl = attention_implementation(jax.default_backend(), x.dtype, self.cfg.head_dim, self.cfg.sliding_window)
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # grouped-query aware
-        y = jnp.einsum("btnh,nhe->bte", out, self.wo[...].astype(x.dtype))
+        y = jnp.einsum("btnh,nhe->bte", out, self.wo[...].astype(x.dtype)) + lora_delta(self, "wo", out, 2)
         if self.cfg.o_bias:
             y = y + self.bo[...].astype(x.dtype)
         return y, cache
@@ -158,11 +194,14 @@ class MLP(nnx.Module):
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), pd)
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), pd)
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), pd)
+        self.cfg = cfg
+        add_lora_params(self, cfg, rngs)
+
+    def _dense(self, x, name):
+        return x @ getattr(self, name)[...].astype(x.dtype) + lora_delta(self, name, x, 1)
 
     def __call__(self, x):
-        gate = x @ self.w_gate[...].astype(x.dtype)
-        up = x @ self.w_up[...].astype(x.dtype)
-        return (jax.nn.silu(gate) * up) @ self.w_down[...].astype(x.dtype)
+        return self._dense(jax.nn.silu(self._dense(x, "w_gate")) * self._dense(x, "w_up"), "w_down")
 
 
 class Block(nnx.Module):

@@ -133,6 +133,9 @@ def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32") ->
     tokenizer = _load_tokenizer(model_dir)
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
+        if lora := meta.get("lora"):  # adapters beside the base weights (`jaxrag.models.lora`)
+            cfg = dataclasses.replace(cfg, lora_rank=int(lora["rank"]), lora_alpha=float(lora["alpha"]),
+                                      lora_targets=tuple(lora["targets"]))
         params = _restore_params(model_dir / PARAMS_DIR, cfg)
         return Model(_build(cfg, params), tokenizer, hf_config, tuple(meta["sources"]))
     params = hf.hf_to_params(hf.read_hf_tensors(model_dir, cfg), cfg, resolve_dtype(param_dtype))
@@ -222,6 +225,9 @@ def save_model(model: Model, out) -> Path:
             ckptr.save((tmp / PARAMS_DIR).absolute(), state)
         meta = {"format": "jaxrag", "sources": list(model.sources),
                 "special_tokens": {t: model.token_id(t) for t in srrag_tokens(model.sources)} if model.sources else {}}
+        if model.config.lora_rank:
+            c = model.config
+            meta["lora"] = {"rank": c.lora_rank, "alpha": c.lora_alpha, "targets": list(c.lora_targets)}
         if jax.process_index() == 0:
             (tmp / JAXRAG_META).write_text(json.dumps(meta, indent=2))
     return Path(out)
@@ -248,8 +254,12 @@ def host_params(decoder: Decoder) -> dict:
 
 def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
               extra: Callable[[Path], None] | None = None) -> Path:
-    """A Hugging Face directory `AutoModelForCausalLM.from_pretrained` loads with no missing keys.
-    `extra(dir)` adds files beside the HF ones (process 0, before the directory appears)."""
+    """A Hugging Face directory `AutoModelForCausalLM.from_pretrained` loads with no missing keys
+    (LoRA adapters merged into their weights). `extra(dir)` adds files beside the HF ones
+    (process 0, before the directory appears)."""
+    from jaxrag.models.lora import merge_lora
+
+    model = merge_lora(model)
     params = host_params(model.decoder)
     tensors = hf.params_to_hf(params, model.config)
     if dtype is not None:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxrag import sharding
 from jaxrag.errors import JaxragError
+from jaxrag.models.lora import Trainable, add_lora
 from jaxrag.models.model import Model, load_model, save_model
 from jaxrag.train import losses
 from jaxrag.train.batches import RecordData, TextData, as_records
@@ -72,9 +73,23 @@ def train_lm(model: Model, texts, cfg, workdir, *, mesh=None) -> Model:
     return _finish(model, model.decoder, params, workdir)
 
 
+def with_lora(model: Model, cfg) -> Model:
+    """`model` with adapters when `cfg.model.lora.rank` > 0 (kept if it has them: stage 2
+    continues stage 1's adapter)."""
+    lora = cfg.model.get("lora")
+    if not lora or not int(lora.rank):
+        return model
+    return add_lora(model, int(lora.rank), float(lora.alpha), list(lora.targets), int(cfg.seed))
+
+
+def _trainable(model: Model, cfg) -> Trainable:
+    return Trainable.for_model(model, cfg.model.get("base_dtype", "auto"))
+
+
 def _stage_setup(model: Model, records, cfg, name: str, pairs: bool):
     if not model.sources:
         raise JaxragError(f"{name}: the model has no SR-RAG tokens; call add_special_tokens first")
+    model = with_lora(model, cfg)
     section = _section(cfg, name)
     recs = as_records(records, model.sources)
     data = RecordData(recs, model.tokenizer, int(cfg.model.max_length),
@@ -83,7 +98,9 @@ def _stage_setup(model: Model, records, cfg, name: str, pairs: bool):
     spec = TrainSpec.from_section(name, section, steps, int(cfg.seed), cfg.model.get("remat", "none"))
     fingerprint = {"task": name, "batch_size": spec.batch_size, "steps": steps, "examples": len(data),
                    "max_length": data.max_length, "seed": spec.seed}
-    return data, spec, fingerprint
+    if model.config.lora_rank:
+        fingerprint["lora"] = [model.config.lora_rank, model.config.lora_alpha, list(model.config.lora_targets)]
+    return model, data, spec, fingerprint
 
 
 def train_stage1(model: Model, records, cfg, workdir, *, mesh=None) -> Model:
@@ -102,10 +119,11 @@ def _train_stage1_loss(model: Model, records, cfg, workdir, section: str, mesh, 
     workdir = Path(workdir)
     if (done := _done(model, workdir)) is not None:
         return done
-    data, spec, fingerprint = _stage_setup(model, records, cfg, section, pairs=False)
+    model, data, spec, fingerprint = _stage_setup(model, records, cfg, section, pairs=False)
     fingerprint["task"] = task or section
     mesh = mesh or sharding.make_mesh(cfg.mesh)
-    params = fit(model.decoder, data, losses.stage1_objective, spec, workdir, mesh, fingerprint)
+    params = fit(model.decoder, data, losses.stage1_objective, spec, workdir, mesh, fingerprint,
+                 _trainable(model, cfg))
     return _finish(model, model.decoder, params, workdir)
 
 
@@ -115,7 +133,7 @@ def train_stage2(model: Model, ref_model: Model, records, cfg, workdir, *, mesh=
     workdir = Path(workdir)
     if (done := _done(model, workdir)) is not None:
         return done
-    data, spec, fingerprint = _stage_setup(model, records, cfg, "stage2", pairs=True)
+    model, data, spec, fingerprint = _stage_setup(model, records, cfg, "stage2", pairs=True)
     mesh = mesh or sharding.make_mesh(cfg.mesh)
     ref_path = workdir / REF_LOGPROBS
     if ref_path.is_file():
@@ -129,7 +147,7 @@ def train_stage2(model: Model, ref_model: Model, records, cfg, workdir, *, mesh=
         if jax.process_index() == 0:
             _save_npy(ref_path, data.ref)
     objective = losses.stage2_objective(float(_section(cfg, "stage2").dpo_beta))
-    params = fit(model.decoder, data, objective, spec, workdir, mesh, fingerprint)
+    params = fit(model.decoder, data, objective, spec, workdir, mesh, fingerprint, _trainable(model, cfg))
     return _finish(model, model.decoder, params, workdir)
 
 

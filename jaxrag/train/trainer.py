@@ -31,6 +31,7 @@ from flax import nnx
 from jaxrag import sharding
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import REMAT_POLICIES, Decoder, positions_from_segments
+from jaxrag.models.lora import Trainable
 from jaxrag.train.checkpoint import Checkpoints, abstract_like
 from jaxrag.train.losses import Forward, LossTerms, target_logprobs, token_logprobs
 from jaxrag.train.metrics import MetricsLogger
@@ -111,19 +112,20 @@ def forward_fn(graphdef, params, remat: str = "none", mesh=None) -> Forward:
 
 
 def loss_and_grads(graphdef, objective: Objective, params: dict, batch: dict,
-                   remat: str = "none", mesh=None) -> tuple[LossTerms, dict]:
-    """Loss terms (sums) and the gradient of `terms.total` w.r.t. params."""
+                   remat: str = "none", mesh=None, full=lambda p: p) -> tuple[LossTerms, dict]:
+    """Loss terms (sums) and the gradient of `terms.total` w.r.t. params (`full(params)` = the
+    model's whole parameter tree: `Trainable.join` with the frozen rest under LoRA)."""
     def total(p):
-        terms = objective(forward_fn(graphdef, p, remat, mesh), batch)
+        terms = objective(forward_fn(graphdef, full(p), remat, mesh), batch)
         return terms.total, terms
     (_, terms), grads = jax.value_and_grad(total, has_aux=True)(params)
     return terms, grads
 
 
 def accumulated_grads(graphdef, objective: Objective, params: dict, batch: dict, accum: int, mesh,
-                      params_sh: dict, remat: str = "none") -> tuple[LossTerms, dict]:
+                      params_sh: dict, remat: str = "none", full=lambda p: p) -> tuple[LossTerms, dict]:
     """Loss terms and gradients summed over `accum` micro-batches of the global batch [B, ...]."""
-    grads_of = functools.partial(loss_and_grads, graphdef, objective, remat=remat, mesh=mesh)
+    grads_of = functools.partial(loss_and_grads, graphdef, objective, remat=remat, mesh=mesh, full=full)
     # Micro-batch k = rows k::accum: each keeps an even share on every data shard (no shuffle).
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
@@ -138,14 +140,16 @@ def accumulated_grads(graphdef, objective: Objective, params: dict, batch: dict,
     return jax.lax.scan(body, zeros, micro)[0]
 
 
-def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shardings: dict, accum: int):
-    """Jitted (state, batch) -> (state, metrics); `state` is donated."""
+def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shardings: dict, accum: int,
+                    trainable: Trainable = Trainable()):
+    """Jitted (state, batch, frozen) -> (state, metrics); `state` is donated. `frozen` is what
+    `trainable` keeps fixed (from `frozen_params`; {} when everything trains)."""
     tx, schedule = make_optimizer(spec), learning_rate(spec)
 
-    def step(state, batch):
+    def step(state, batch, frozen):
         params = state["params"]
         terms, grads = accumulated_grads(graphdef, objective, params, batch, accum, mesh, shardings["params"],
-                                         spec.remat)
+                                         spec.remat, lambda p: trainable.join(p, frozen))
         count = jnp.maximum(terms.count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
         updates, opt = tx.update(grads, state["opt"], params)
@@ -156,15 +160,18 @@ def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shard
                    "sequences": jnp.sum(batch.get("valid", jnp.zeros(())))}
         return {"params": optax.apply_updates(params, updates), "opt": opt, "step": state["step"] + 1}, metrics
 
-    return jax.jit(step, in_shardings=(shardings, sharding.batch_sharding(mesh)),
+    # `frozen` keeps the shardings `frozen_params` placed it with.
+    return jax.jit(step, in_shardings=(shardings, sharding.batch_sharding(mesh), None),
                    out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
 
 
-def state_shardings(decoder: Decoder, spec: TrainSpec, mesh) -> tuple[dict, dict]:
-    """(abstract state, shardings) for {"params", "opt", "step"}."""
-    params_sh = sharding.param_shardings(mesh, decoder)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(decoder)))
+def state_shardings(decoder: Decoder, spec: TrainSpec, mesh, trainable: Trainable = Trainable()) -> tuple[dict, dict]:
+    """(abstract state, shardings) for {"params", "opt", "step"}; params = what `trainable` trains."""
+    full_sh = sharding.param_shardings(mesh, decoder)
+    full = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(decoder)))
+    params = jax.eval_shape(lambda p: trainable.split(p)[0], full)
     tx, rep = make_optimizer(spec), sharding.replicated(mesh)
+    params_sh, _ = trainable.shardings(full_sh, rep)
     opt = jax.eval_shape(tx.init, params)
     opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt, params_sh, transform_non_params=lambda _: rep,
                                    is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -172,18 +179,27 @@ def state_shardings(decoder: Decoder, spec: TrainSpec, mesh) -> tuple[dict, dict
     return abstract, {"params": params_sh, "opt": opt_sh, "step": rep}
 
 
+def frozen_params(decoder: Decoder, trainable: Trainable, mesh) -> dict:
+    """The fixed part of `decoder`'s params ({} when everything trains), placed by the rules,
+    in `trainable.base_dtype`."""
+    _, frozen_sh = trainable.shardings(sharding.param_shardings(mesh, decoder), sharding.replicated(mesh))
+    return sharding.place(trainable.split(nnx.to_pure_dict(nnx.state(decoder)))[1], frozen_sh)
+
+
 def fit(decoder: Decoder, data, objective: Objective, spec: TrainSpec, workdir: Path, mesh,
-        fingerprint: dict) -> dict:
-    """Trains from `decoder`'s weights (or resumes from workdir/checkpoints); returns the final
-    params (pure dict of global arrays). `data` is a RecordData / TextData."""
+        fingerprint: dict, trainable: Trainable = Trainable()) -> dict:
+    """Trains what `trainable` names of `decoder`'s weights (or resumes from
+    workdir/checkpoints, which hold only that); returns the final full params (pure dict of
+    global arrays). `data` is a RecordData / TextData."""
     workdir = Path(workdir)
     accum = accumulation_steps(spec, mesh)
     graphdef, _ = nnx.split(decoder)
-    abstract, shardings = state_shardings(decoder, spec, mesh)
+    abstract, shardings = state_shardings(decoder, spec, mesh, trainable)
+    frozen = frozen_params(decoder, trainable, mesh)
     ckpt = Checkpoints(workdir / "checkpoints", spec.keep_checkpoints)
     start = ckpt.latest_step()
     if start is None:
-        params = sharding.place(nnx.to_pure_dict(nnx.state(decoder)), shardings["params"])
+        params = sharding.place(trainable.split(nnx.to_pure_dict(nnx.state(decoder)))[0], shardings["params"])
         opt = jax.jit(make_optimizer(spec).init, out_shardings=shardings["opt"])(params)
         state = {"params": params, "opt": opt, "step": sharding.place(np.int32(0), shardings["step"])}
         meta = {"epoch": 0, "batch": 0, "truncated": 0, "sequences": 0, "fingerprint": fingerprint}
@@ -192,7 +208,7 @@ def fit(decoder: Decoder, data, objective: Objective, spec: TrainSpec, workdir: 
         if meta["fingerprint"] != fingerprint:
             raise JaxragError(f"{ckpt.directory}: checkpoints are from a different run ({meta['fingerprint']}) "
                               f"than this one ({fingerprint}); use a fresh workdir")
-    step_fn = make_train_step(graphdef, objective, spec, mesh, shardings, accum)
+    step_fn = make_train_step(graphdef, objective, spec, mesh, shardings, accum, trainable)
     loop = _Loop(spec, ckpt, MetricsLogger(workdir, spec.name, spec.total_steps, start or 0), meta)
     rows = sharding.host_rows(mesh, spec.batch_size)
     step, order = start or 0, data.order(meta["epoch"], spec.batch_size)
@@ -203,13 +219,13 @@ def fit(decoder: Decoder, data, objective: Objective, spec: TrainSpec, workdir: 
                 order = data.order(meta["epoch"], spec.batch_size)
                 continue
             local = data.rows(order[meta["batch"]][rows], meta["epoch"])
-            state, metrics = step_fn(state, sharding.global_batch(local, rows, mesh, spec.batch_size))
+            state, metrics = step_fn(state, sharding.global_batch(local, rows, mesh, spec.batch_size), frozen)
             step, meta["batch"] = step + 1, meta["batch"] + 1
             loop.dispatched(step, metrics, state, meta)
         loop.finish()
     finally:
         loop.close()
-    return state["params"]
+    return jax.jit(trainable.join)(state["params"], frozen)
 
 
 class _Loop:

@@ -1,0 +1,169 @@
+"""LoRA (Hu et al., 2021) for SR-RAG: adapters on the decoder's projections, trained with the
+SR-RAG tokens' embedding rows; the rest of the base frozen (and kept in `model.base_dtype`).
+
+- `add_lora(model, rank, alpha, targets)`: the same model plus zero-initialised adapters
+  (W x + alpha/rank B A x; B = 0, so logits are unchanged until training moves B).
+- `Trainable`: which parameters train. With adapters: every `*_lora_a/_b` leaf and the rows of
+  the SR-RAG tokens in `embed` (and in `lm_head` when untied), as [n_tokens, hidden] arrays of
+  their own, so the optimizer holds moments for those alone. Without adapters: everything.
+  `split` / `join` move between the full pure-dict params and (trainable, frozen).
+- `merge_lora(model)`: W += alpha/rank A B per adapted weight, the plain model export writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrag.errors import JaxragError
+from jaxrag.models.decoder import LORA_TARGETS, Decoder, resolve_dtype
+
+ROWS = "token_rows"  # the trainable tree's key for the SR-RAG tokens' rows
+
+
+def check_targets(targets: Sequence[str], where: str = "model.lora.targets") -> tuple[str, ...]:
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise JaxragError(f"config {where}={list(targets)}: choose among {', '.join(LORA_TARGETS)}")
+    return tuple(dict.fromkeys(targets))
+
+
+def add_lora(model, rank: int, alpha: float, targets: Sequence[str], seed: int = 0):
+    """`model` (a jaxrag Model) with adapters of `rank` on `targets`: base weights unchanged,
+    A random (seeded), B zero. A model that already has adapters keeps them (stage 2 continues
+    stage 1's)."""
+    from jaxrag.models.model import Model  # model.py imports this module's users
+
+    cfg = model.config
+    if cfg.lora_rank:
+        return model
+    if rank <= 0:
+        raise JaxragError(f"config model.lora.rank={rank}: must be positive to add adapters")
+    lora_cfg = dataclasses.replace(cfg, lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=check_targets(targets))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(lora_cfg, nnx.Rngs(seed))))
+    base, rng = _flat(nnx.to_pure_dict(nnx.state(model.decoder))), np.random.default_rng(seed)
+    merged = {}
+    for path, leaf in _flat(nnx.to_pure_dict(state)).items():  # abstract: nothing allocated yet
+        if path[-1].endswith("_lora_a"):  # [layers, inputs..., rank], std 1/sqrt(fan-in)
+            std = 1.0 / np.sqrt(np.prod(leaf.shape[1:-1]))
+            merged[path] = (rng.standard_normal(leaf.shape, np.float32) * std).astype(leaf.dtype)
+        elif path[-1].endswith("_lora_b"):
+            merged[path] = np.zeros(leaf.shape, leaf.dtype)
+        else:
+            merged[path] = base[path]
+    nnx.replace_by_pure_dict(state, _unflat(merged))
+    return Model(nnx.merge(graphdef, state), model.tokenizer, model.hf_config, model.sources)
+
+
+def merge_lora(model):
+    """The plain model: every adapted W replaced by W + alpha/rank (A B); adapters dropped."""
+    from jaxrag.models.model import Model, host_params
+
+    cfg = model.config
+    if not cfg.lora_rank:
+        return model
+    params, scale = host_params(model.decoder), cfg.lora_alpha / cfg.lora_rank
+    for path, a in list(_flat(params).items()):
+        if path[-1].endswith("_lora_a"):
+            name = path[-1][: -len("_lora_a")]
+            parent = _get(params, path[:-1])
+            b = parent.pop(f"{name}_lora_b")
+            parent.pop(path[-1])
+            w = parent[name]
+            # a [layers, in..., r], b [layers, r, out...] -> [layers, in..., out...]
+            delta = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
+                              b.reshape(b.shape[0], b.shape[1], -1)).reshape(w.shape)
+            parent[name] = (w.astype(np.float32) + scale * delta).astype(w.dtype)
+    plain = dataclasses.replace(cfg, lora_rank=0, lora_alpha=0.0, lora_targets=())
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(plain, nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, params)
+    return Model(nnx.merge(graphdef, state), model.tokenizer, model.hf_config, model.sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """What a training run updates: everything (`lora=False`), or the adapters plus the rows
+    `row_ids` of embed (and lm_head) — the SR-RAG tokens — with the frozen rest in `base_dtype`."""
+    lora: bool = False
+    row_ids: tuple[int, ...] = ()
+    base_dtype: str = "float32"
+
+    @classmethod
+    def for_model(cls, model, base_dtype: str = "auto") -> Trainable:
+        if not model.config.lora_rank:
+            return cls()
+        from jaxrag.models.tokens import srrag_tokens
+        ids = tuple(model.token_id(t) for t in srrag_tokens(model.sources)) if model.sources else ()
+        return cls(True, ids, jnp.dtype(resolve_dtype(base_dtype)).name)
+
+    def split(self, params: dict) -> tuple[dict, dict]:
+        """Full pure-dict params -> (trainable, frozen). Frozen keeps every leaf (adapters and
+        the trainable rows too, overwritten by `join`), cast to `base_dtype`."""
+        if not self.lora:
+            return params, {}
+        ids = np.asarray(self.row_ids, np.int32)
+        train = _unflat({p: leaf for p, leaf in _flat(params).items() if _is_lora(p)})
+        train[ROWS] = {"embed": params["embed"][ids]}
+        if "lm_head" in params:
+            train[ROWS]["lm_head"] = params["lm_head"][:, ids]
+        frozen = jax.tree.map(lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                              {k: v for k, v in params.items()})
+        return train, frozen
+
+    def shardings(self, full: dict, replicated) -> tuple[dict, dict]:
+        """(trainable, frozen) shardings from the full params' (`sharding.param_shardings`):
+        adapters keep theirs, the token rows (a few rows) are replicated."""
+        if not self.lora:
+            return full, {}
+        train = _unflat({p: sh for p, sh in _flat(full).items() if _is_lora(p)})
+        train[ROWS] = {k: replicated for k in ("embed", "lm_head") if k in full}
+        return train, full
+
+    def join(self, train: dict, frozen: dict) -> dict:
+        """(trainable, frozen) -> full params; gradients flow into `train` only."""
+        if not self.lora:
+            return train
+        flat = _flat(frozen)
+        flat.update(_flat({k: v for k, v in train.items() if k != ROWS}))
+        params = _unflat(flat)
+        ids = jnp.asarray(self.row_ids, jnp.int32)
+        rows = train[ROWS]
+        params["embed"] = jnp.asarray(params["embed"], rows["embed"].dtype).at[ids].set(rows["embed"])
+        if "lm_head" in rows:
+            params["lm_head"] = jnp.asarray(params["lm_head"], rows["lm_head"].dtype).at[:, ids].set(rows["lm_head"])
+        return params
+
+
+def _is_lora(path: tuple[str, ...]) -> bool:
+    return path[-1].endswith(("_lora_a", "_lora_b"))
+
+
+def _flat(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, (*prefix, str(k))))
+        else:
+            out[(*prefix, str(k))] = v
+    return out
+
+
+def _unflat(flat: dict[tuple, object]) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return tree
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree

@@ -1,0 +1,145 @@
+"""LoRA: adapters that start as the identity, equal their merged weights, and train alone with
+the SR-RAG tokens' rows (stage 1 and 2, resume, export)."""
+
+from __future__ import annotations
+
+import jax
+import orbax.checkpoint as ocp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrag.errors import JaxragError
+from jaxrag.models import lora as L
+from jaxrag.models.decoder import LORA_TARGETS
+from jaxrag.models.tokens import srrag_tokens
+from jaxrag import sharding
+from jaxrag.train import stages, trainer
+from train_fixtures import tiny_model, toy_records, train_config
+
+ALL = list(LORA_TARGETS)
+IDS = np.random.default_rng(0).integers(0, 300, (2, 12))
+
+
+def pure(model) -> dict:
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.decoder)))
+
+
+def with_random_b(model, seed=1):
+    """Adapters with nonzero B (as after training), so the LoRA path changes the logits."""
+    params, rng = L._flat(pure(model)), np.random.default_rng(seed)
+    for path, v in params.items():
+        if path[-1].endswith("_lora_b"):
+            params[path] = (rng.standard_normal(v.shape) * 0.05).astype(v.dtype)
+    state = nnx.state(model.decoder)
+    nnx.replace_by_pure_dict(state, L._unflat(params))
+    nnx.update(model.decoder, state)
+    return model
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model(0)
+
+
+def test_untrained_adapters_change_nothing(base):
+    adapted = L.add_lora(base, 4, 8.0, ALL)
+    np.testing.assert_array_equal(np.asarray(adapted.logits(IDS)), np.asarray(base.logits(IDS)))
+    shapes = L._flat(jax.tree.map(np.shape, pure(adapted)))
+    # stacked layers: A [layers, inputs..., rank], B [layers, rank, outputs...]
+    assert shapes[("layers", "attn", "wq_lora_a")] == (2, 32, 4)
+    assert shapes[("layers", "attn", "wq_lora_b")] == (2, 4, 4, 8)
+    assert shapes[("layers", "attn", "wo_lora_a")] == (2, 4, 8, 4)
+    assert shapes[("layers", "mlp", "w_down_lora_b")] == (2, 4, 32)
+    assert L.add_lora(adapted, 8, 1.0, ["q"]) is adapted  # stage 2 continues stage 1's adapter
+
+
+def test_lora_forward_equals_merged_weights(base):
+    adapted = with_random_b(L.add_lora(base, 4, 8.0, ALL))
+    lora_logits = np.asarray(adapted.logits(IDS))
+    assert np.abs(lora_logits - np.asarray(base.logits(IDS))).max() > 1e-2
+    merged = L.merge_lora(adapted)
+    assert merged.config.lora_rank == 0 and not any(L._is_lora(p) for p in L._flat(pure(merged)))
+    np.testing.assert_allclose(np.asarray(merged.logits(IDS)), lora_logits, atol=2e-5)
+    # by hand for one weight: W + alpha/rank * A @ B
+    a, b = pure(adapted)["layers"]["mlp"]["w_up_lora_a"][0], pure(adapted)["layers"]["mlp"]["w_up_lora_b"][0]
+    np.testing.assert_allclose(pure(merged)["layers"]["mlp"]["w_up"][0],
+                               pure(base)["layers"]["mlp"]["w_up"][0] + 2.0 * a @ b, atol=1e-6)
+
+
+def test_bad_targets_are_refused(base):
+    with pytest.raises(JaxragError, match=r"model.lora.targets=\['qkv'\]: choose among q, k, v, o"):
+        L.add_lora(base, 4, 8.0, ["qkv"])
+
+
+def test_trainable_split_join_round_trip(base):
+    adapted = L.add_lora(base, 2, 4.0, ["q", "down"])
+    t = L.Trainable.for_model(adapted, "float32")
+    assert t.row_ids == tuple(adapted.token_id(tok) for tok in srrag_tokens(adapted.sources))
+    train, frozen = t.split(pure(adapted))
+    assert set(L._flat(train)) == {("layers", "attn", "wq_lora_a"), ("layers", "attn", "wq_lora_b"),
+                                   ("layers", "mlp", "w_down_lora_a"), ("layers", "mlp", "w_down_lora_b"),
+                                   (L.ROWS, "embed"), (L.ROWS, "lm_head")}
+    assert train[L.ROWS]["embed"].shape == (4, 32)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, t.join(train, frozen)), pure(adapted))
+    assert L.Trainable.for_model(base).split(pure(base))[1] == {}  # no adapters: everything trains
+
+
+def lora_config(**stage1):
+    cfg = train_config(stage1=stage1)
+    cfg.model.lora = dict(rank=4, alpha=8.0, targets=["q", "v", "up"])
+    cfg.model.base_dtype = "float32"
+    return cfg
+
+
+def test_stages_train_only_adapters_and_token_rows(tmp_path, base):
+    records, cfg = toy_records(10), lora_config()
+    s1 = stages.train_stage1(base, records, cfg, tmp_path / "s1")
+    assert s1.config.lora_targets == ("q", "v", "up")
+    before, after = L._flat(pure(base)), L._flat(pure(s1))
+    rows = [s1.token_id(t) for t in srrag_tokens(s1.sources)]
+    others = np.setdiff1d(np.arange(before[("embed",)].shape[0]), rows)
+    for path, value in after.items():
+        if L._is_lora(path):
+            continue
+        if path in (("embed",), ("lm_head",)):
+            axis = 0 if path == ("embed",) else 1
+            np.testing.assert_array_equal(value.take(others, axis), before[path].take(others, axis))
+            assert not np.allclose(value.take(rows, axis), before[path].take(rows, axis))
+        else:
+            np.testing.assert_array_equal(value, before[path], err_msg=str(path))
+    assert not np.allclose(after[("layers", "attn", "wq_lora_b")], 0)
+    # The optimizer's state (what the checkpoints hold) exists only for what trains: Adam's two
+    # moments of the adapters and the 4 tokens' embed + lm_head rows (hidden 32).
+    n_train = sum(v.size for p, v in after.items() if L._is_lora(p)) + 2 * 4 * 32
+    spec = trainer.TrainSpec("stage1", batch_size=4, lr=1e-3, total_steps=3)
+    abstract, _ = trainer.state_shardings(s1.decoder, spec, sharding.make_mesh(cfg.mesh), L.Trainable.for_model(s1))
+    assert sum(x.size for x in jax.tree.leaves(abstract["params"])) == n_train
+    assert sum(x.size for x in jax.tree.leaves(abstract["opt"])) == 2 * n_train + 2  # + two step counts
+    saved = ocp.StandardCheckpointer().metadata((tmp_path / "s1" / "checkpoints" / "3" / "state").absolute())
+    assert sum(np.prod(m.shape) for m in jax.tree.leaves(saved.item_metadata.tree)) == 3 * n_train + 3
+
+    reloaded = stages.train_stage1(base, records, cfg, tmp_path / "s1")  # finished: loads, adapters included
+    assert reloaded.config.lora_rank == 4
+    np.testing.assert_array_equal(np.asarray(reloaded.logits(IDS)), np.asarray(s1.logits(IDS)))
+
+    s2 = stages.train_stage2(s1, s1, records, cfg, tmp_path / "s2")  # continues the stage-1 adapter
+    mid, end = L._flat(pure(s1)), L._flat(pure(s2))
+    assert not np.allclose(end[("layers", "attn", "wq_lora_b")], mid[("layers", "attn", "wq_lora_b")])
+    np.testing.assert_array_equal(end[("layers", "attn", "wk")], before[("layers", "attn", "wk")])
+
+
+def test_resume_equals_uninterrupted(tmp_path, base):
+    """Checkpoints hold the trainable state only; resuming from one (the run stopped after step
+    2 of 3) gives the uninterrupted run's adapters."""
+    records = toy_records(10)
+    straight = stages.train_stage1(base, records, lora_config(checkpoint_every=1), tmp_path / "straight")
+    partial = tmp_path / "partial"
+    stages.train_stage1(base, records, lora_config(checkpoint_every=1), partial)
+    import shutil
+    shutil.rmtree(partial / stages.FINAL)
+    shutil.rmtree(partial / "checkpoints" / "3")
+    lines = (partial / "metrics.jsonl").read_text().splitlines()
+    (partial / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    resumed = stages.train_stage1(base, records, lora_config(checkpoint_every=1), partial)
+    jax.tree.map(np.testing.assert_array_equal, pure(resumed), pure(straight))
