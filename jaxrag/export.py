@@ -1,7 +1,10 @@
-"""`python -m jaxrag.export --checkpoint CKPT --out DIR [--dtype bfloat16] [--max-shard-size 5GB]`
+"""`python -m jaxrag.export --checkpoint CKPT --out DIR [--dtype bfloat16] [--max-shard-size 5GB] [--adapter]`
 
 jaxrag checkpoint -> Hugging Face directory (config.json, safetensors, tokenizer with the added
-tokens, generation_config.json) for `AutoModelForCausalLM.from_pretrained(DIR)`.
+tokens, generation_config.json) for `AutoModelForCausalLM.from_pretrained(DIR)`; LoRA adapters
+are merged into their weights. With `--adapter` (a LoRA-trained checkpoint): a PEFT adapter
+directory instead, for `peft.PeftModel.from_pretrained(base, DIR)` on the base converted with
+the SR-RAG tokens (`jaxrag.models.peft_export`).
 """
 
 from __future__ import annotations
@@ -29,13 +32,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="HF directory to create")
     parser.add_argument("--dtype", default=None, help="weights dtype (default: the params' own)")
     parser.add_argument("--max-shard-size", default="5GB", help="shard safetensors past this size")
+    parser.add_argument("--adapter", action="store_true", help="write a PEFT LoRA adapter, not merged weights")
     args = parser.parse_args(argv)
 
     def export():
         from jaxrag.models.model import export_hf, load_model
+        from jaxrag.models.peft_export import export_adapter
 
         shard = parse_size(args.max_shard_size)
-        export_hf(load_model(args.checkpoint), args.out, max_shard_bytes=shard, dtype=args.dtype)
+        model = load_model(args.checkpoint)
+        if args.adapter:
+            export_adapter(model, args.out)
+        else:
+            export_hf(model, args.out, max_shard_bytes=shard, dtype=args.dtype)
         print(f"wrote {args.out}")
 
     run(export)

@@ -60,9 +60,10 @@ def eval_items(cfg: ConfigDict, workdir: Path) -> tuple[list, list]:
 
 
 def load(cfg: ConfigDict, path: Path):
+    from jaxrag.models.lora import weights_dtype
     from jaxrag.models.model import load_model
 
-    return load_model(path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    return load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg))
 
 
 def retriever(cfg: ConfigDict, workdir: Path):

@@ -18,7 +18,11 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # the fake device count must be set before jax is imported
+if __name__ == "__main__":
+    # The documented spelling is --device-memory-gb / --memory-fraction; absl names are underscored.
+    sys.argv = [("--" + a[2:].split("=", 1)[0].replace("-", "_") + a[2:][len(a[2:].split("=", 1)[0]):])
+                if a.startswith("--") and not a.startswith("--config") else a for a in sys.argv]
+    # the fake device count must be set before jax is imported
     _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), None)
     if _n is None and "--devices" in sys.argv[:-1]:
         _n = sys.argv[sys.argv.index("--devices") + 1]

@@ -30,6 +30,7 @@ from jaxrag import sharding
 from jaxrag.decode import sampler
 from jaxrag.models.decoder import Decoder, DecoderConfig, init_cache, positions_from_mask
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
+from jaxrag.models.lora import Trainable, check_targets
 from jaxrag.train import losses, trainer
 
 # Published config.json values of the paper's models, so a plan needs no download. RoPE
@@ -85,8 +86,10 @@ def forward_flops(cfg: DecoderConfig, rows: int, tokens: int, keys: int, scored:
 
 
 def train_flops(cfg: DecoderConfig, rows: int, length: int, scored: int, remat: str) -> float:
-    """Forward + backward (2x forward) + the forward recomputed under `block` remat."""
-    return (4 if remat == "block" else 3) * forward_flops(cfg, rows, length, length, scored)
+    """Forward + backward (2x forward; 1x under LoRA, which needs no frozen weight's gradient)
+    + the forward recomputed under `block` remat."""
+    passes = (2 if cfg.lora_rank else 3) + (remat == "block")
+    return passes * forward_flops(cfg, rows, length, length, scored)
 
 
 def _abstract(tree, shardings):
@@ -103,8 +106,14 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     decoder = nnx.eval_shape(lambda: Decoder(dec_cfg, nnx.Rngs(0)))
     graphdef, _ = nnx.split(decoder)
     params_sh = sharding.param_shardings(mesh, decoder)
-    params = nnx.to_pure_dict(nnx.state(decoder))
-    abstract_params = _abstract(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), params_sh)
+    # Under LoRA the SR-RAG tokens' rows train (any 4 rows have their shapes) and the frozen
+    # base is what every program reads.
+    trainable = Trainable(True, tuple(range(dec_cfg.vocab_size - 4, dec_cfg.vocab_size)),
+                          dec_cfg.param_dtype) if dec_cfg.lora_rank else Trainable()
+    params = jax.eval_shape(lambda p: trainable.join(*trainable.split(p)), nnx.to_pure_dict(nnx.state(decoder)))
+    abstract_params = _abstract(params, params_sh)
+    _, frozen_sh = trainable.shardings(params_sh, sharding.replicated(mesh))
+    abstract_frozen = _abstract(jax.eval_shape(lambda p: trainable.split(p)[1], params), frozen_sh)
     dp = sharding.data_parallel_size(mesh)
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / mesh.size
     remat, length = cfg.model.get("remat", "none"), int(cfg.model.max_length)
@@ -127,15 +136,15 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
         section = cfg[name]
         spec = trainer.TrainSpec.from_section(name, section, 1, 0, remat)
         accum = trainer.accumulation_steps(spec, mesh)
-        abstract, shardings = trainer.state_shardings(decoder, spec, mesh)
-        step = trainer.make_train_step(graphdef, objective, spec, mesh, shardings, accum)
+        abstract, shardings = trainer.state_shardings(decoder, spec, mesh, trainable)
+        step = trainer.make_train_step(graphdef, objective, spec, mesh, shardings, accum, trainable)
         batch = stage_batch(spec.batch_size, pairs)
         rows = spec.batch_size * (2 if pairs else 1)
         micro = spec.batch_size // accum // dp
         fixes = ([f"--config.{name}.per_device_batch_size={max(1, micro // 2)}"] if micro > 1 else []) + \
             ([] if remat == "block" else ["--config.model.remat=block"])
         steps = int(section.epochs) * math.ceil(TRAIN_QUESTIONS / spec.batch_size)
-        programs.append(Program(f"{name} step", lambda step=step, a=_abstract(abstract, shardings), b=batch: step.lower(a, b, {}),
+        programs.append(Program(f"{name} step", lambda step=step, a=_abstract(abstract, shardings), b=batch: step.lower(a, b, abstract_frozen),
                                 train_flops(dec_cfg, rows, length, scored, remat), rows * length, steps,
                                 param_bytes, tuple(fixes)))
         if pairs:  # the frozen stage-1 model's log p(c_i+|q), log p(c_i-|q), one micro-batch at a time
@@ -234,7 +243,14 @@ def plan_decoder_config(cfg) -> DecoderConfig:
             raise JaxragError(f"config model.path={path!r}: the plan needs a local Hugging Face directory "
                               f"(config.json) or one of the paper's models ({', '.join(PAPER_ARCHS)}): {e}") from None
     dtype = "bfloat16" if cfg.model.dtype == "auto" else str(cfg.model.dtype)
-    dec_cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=str(cfg.model.param_dtype))
+    lora = cfg.model.get("lora")
+    if lora and int(lora.rank):  # the frozen base in base_dtype (`auto`: bfloat16, as on accelerators)
+        base = str(cfg.model.get("base_dtype", "auto"))
+        dec_cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype="bfloat16" if base == "auto" else base)
+        dec_cfg = dataclasses.replace(dec_cfg, lora_rank=int(lora.rank), lora_alpha=float(lora.alpha),
+                                      lora_targets=check_targets(list(lora.targets)))
+    else:
+        dec_cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=str(cfg.model.param_dtype))
     tokenizer_len = {"qwen2": 151665, "phi3": 32011}.get(dec_cfg.family, dec_cfg.vocab_size)
     new_tokens = len(srrag_tokens(tuple(cfg.model.sources)))
     return dataclasses.replace(dec_cfg, vocab_size=max(dec_cfg.vocab_size, tokenizer_len + new_tokens))

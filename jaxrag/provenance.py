@@ -62,7 +62,7 @@ STAGES: dict[str, Dep] = {
     "base": Dep(("model.family", "model.path", "model.sources", "model.dtype", "model.param_dtype"), ("world",),
                 ("base", "base_train"),
                 embedded_reads=("seed", "model", "pretrain", "world_probe", "construct.verbalize_max_tokens"),
-                excludes=_TRAIN_EXCLUDES),
+                excludes=_TRAIN_EXCLUDES + ("model.lora", "model.base_dtype")),  # LoRA starts at stage 1
     # embedded: gold-passage recall at n_passages per evaluation set, beside the index
     "index": Dep(("retrieval.encoder", "retrieval.corpus", "retrieval.passage_embeddings"), ("world",),
                  ("index", "index.building"), embedded_reads=("retrieval.n_passages", "data.eval")),

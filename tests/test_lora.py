@@ -3,6 +3,8 @@ the SR-RAG tokens' rows (stage 1 and 2, resume, export)."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import orbax.checkpoint as ocp
 import numpy as np
@@ -13,7 +15,9 @@ from jaxrag.errors import JaxragError
 from jaxrag.models import lora as L
 from jaxrag.models.decoder import LORA_TARGETS
 from jaxrag.models.tokens import srrag_tokens
+import jaxrag
 from jaxrag import sharding
+from jaxrag.export import main as export_cli
 from jaxrag.train import stages, trainer
 from train_fixtures import tiny_model, toy_records, train_config
 
@@ -128,6 +132,18 @@ def test_stages_train_only_adapters_and_token_rows(tmp_path, base):
     assert not np.allclose(end[("layers", "attn", "wq_lora_b")], mid[("layers", "attn", "wq_lora_b")])
     np.testing.assert_array_equal(end[("layers", "attn", "wk")], before[("layers", "attn", "wk")])
 
+    # The CLI: merged by default, a PEFT adapter with --adapter, a clear error without adapters.
+    export = lambda *a: export_cli(["--checkpoint", str(tmp_path / "s2" / stages.FINAL), *a])
+    export("--out", str(tmp_path / "merged"))
+    export("--out", str(tmp_path / "adapter"), "--adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == \
+        ["q_proj", "up_proj", "v_proj"]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    jaxrag.save_model(base, tmp_path / "plain")
+    with pytest.raises(SystemExit) as err:
+        export_cli(["--checkpoint", str(tmp_path / "plain"), "--out", str(tmp_path / "no"), "--adapter"])
+    assert err.value.code == 2 and not (tmp_path / "no").exists()
+
 
 def test_resume_equals_uninterrupted(tmp_path, base):
     """Checkpoints hold the trainable state only; resuming from one (the run stopped after step
@@ -143,3 +159,42 @@ def test_resume_equals_uninterrupted(tmp_path, base):
     (partial / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
     resumed = stages.train_stage1(base, records, lora_config(checkpoint_every=1), partial)
     jax.tree.map(np.testing.assert_array_equal, pure(resumed), pure(straight))
+
+
+@pytest.mark.parametrize("variant,targets", [("qwen2", ["q", "v", "o", "down"]), ("qwen2_tied", ["k", "up"]),
+                                             ("phi3", ["q", "v", "gate", "up", "down"])])
+def test_merged_export_and_peft_adapter_load_with_our_logits(tmp_path, variant, targets):
+    """After "training" (random B, moved SR-RAG rows): the merged export in transformers and the
+    PEFT adapter on the converted base (tokens added, adapters absent) give our logits. Phi-3's
+    q/v and gate/up adapters land on its fused qkv_proj / gate_up_proj."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    import jaxrag
+    from hf_fixtures import make_hf_model
+    from jaxrag.models.peft_export import export_adapter
+
+    make_hf_model(tmp_path / "hf", variant, spare_rows=0)
+    base = jaxrag.add_special_tokens(jaxrag.load_model(tmp_path / "hf"))
+    jaxrag.export_hf(base, tmp_path / "base")
+    adapted = with_random_b(L.add_lora(base, 4, 8.0, targets))
+    params, rows = L._flat(pure(adapted)), [adapted.token_id(t) for t in srrag_tokens(adapted.sources)]
+    params[("embed",)][rows] += 0.3  # the rows training moves
+    if ("lm_head",) in params:
+        params[("lm_head",)][:, rows] -= 0.3
+    state = nnx.state(adapted.decoder)
+    nnx.replace_by_pure_dict(state, L._unflat(params))
+    nnx.update(adapted.decoder, state)
+
+    export_adapter(adapted, tmp_path / "adapter")
+    jaxrag.export_hf(adapted, tmp_path / "merged")
+    ids = [[5, 17, *rows, 40, 9, rows[1], 33]]
+    ours = np.asarray(adapted.logits(ids))[0, :, : adapted.config.vocab_size]
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        np.testing.assert_allclose(merged(torch.tensor(ids)).logits[0].numpy(), ours, atol=1e-4)
+        on_base = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                            tmp_path / "adapter").eval()
+        np.testing.assert_allclose(on_base(torch.tensor(ids)).logits[0].numpy(), ours, atol=1e-4)
+    assert np.abs(ours - np.asarray(base.logits(ids))[0, :, : base.config.vocab_size]).max() > 1e-2

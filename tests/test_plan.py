@@ -72,6 +72,29 @@ for family in ("llama", "phi3"):
         assert fits == "True" and 10 < float(peak) <= 0.9 * USABLE_GB, (family, name, peak)
 
 
+def test_qwen_lora_stage1_fits_one_80gb_gpu():
+    """LoRA rank 16 at per-device batch 2 on one device: the stage-1 step fits 80 GB, and its
+    FLOPs skip the frozen weights' gradients (3 passes with block remat, against full FT's 4)."""
+    script = """
+from jaxrag.config import get_config_for
+from jaxrag.plan_fit import measure, plan_devices
+cfg = get_config_for("qwen2", "")
+cfg.stage1.per_device_batch_size = 2
+full = measure(cfg, plan_devices(1), "h100", 60.0, 0.1, 0.5, log=lambda *_: None, only=("stage1 step",))[0]
+cfg.model.lora.rank = 16
+lora = measure(cfg, plan_devices(1), "h100", 60.0, 0.1, 0.5, log=lambda *_: None, only=("stage1 step",))[0]
+print("full", full.peak_gb, full.fits, full.flops)
+print("lora", lora.peak_gb, lora.fits, lora.flops)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.startswith(("full", "lora"))}
+    assert rows["full"][1] == "False" and float(rows["full"][0]) > 100  # f32 weights + Adam: 16 B x 7.6B
+    assert rows["lora"][1] == "True" and float(rows["lora"][0]) <= 0.9 * USABLE_GB
+    assert float(rows["lora"][2]) == pytest.approx(0.75 * float(rows["full"][2]))
+
+
 def test_failures_name_the_settings_that_fit():
     rows = [Row("stage1 step", 70.0, 1e15, 65536, 796, 0.2, 20.0, False,
                 ("--config.stage1.per_device_batch_size=4", "--config.model.remat=block")),

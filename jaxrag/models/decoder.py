@@ -96,10 +96,11 @@ def add_lora_params(module: nnx.Module, cfg: DecoderConfig, rngs: nnx.Rngs) -> N
             shape, axes = w[...].shape, w.out_sharding
             fan_in = math.prod(shape[:n_in])
             init_a = nnx.initializers.normal(1.0 / math.sqrt(fan_in))
+            # float32 like master weights, whatever the frozen base's dtype (they are small)
             setattr(module, f"{name}_lora_a", _param(rngs, (*shape[:n_in], cfg.lora_rank),
-                                                     (*axes[:n_in], "lora_rank"), w[...].dtype, init_a))
+                                                     (*axes[:n_in], "lora_rank"), jnp.float32, init_a))
             setattr(module, f"{name}_lora_b", _param(rngs, (cfg.lora_rank, *shape[n_in:]),
-                                                     ("lora_rank", *axes[n_in:]), w[...].dtype, nnx.initializers.zeros))
+                                                     ("lora_rank", *axes[n_in:]), jnp.float32, nnx.initializers.zeros))
 
 
 def lora_delta(module: nnx.Module, name: str, x: jax.Array, n_in: int) -> jax.Array | float:

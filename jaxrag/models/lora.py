@@ -108,9 +108,9 @@ class Trainable:
             return params, {}
         ids = np.asarray(self.row_ids, np.int32)
         train = _unflat({p: leaf for p, leaf in _flat(params).items() if _is_lora(p)})
-        train[ROWS] = {"embed": params["embed"][ids]}
+        train[ROWS] = {"embed": params["embed"][ids].astype(np.float32)}
         if "lm_head" in params:
-            train[ROWS]["lm_head"] = params["lm_head"][:, ids]
+            train[ROWS]["lm_head"] = params["lm_head"][:, ids].astype(np.float32)
         frozen = jax.tree.map(lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                               {k: v for k, v in params.items()})
         return train, frozen
@@ -133,10 +133,20 @@ class Trainable:
         params = _unflat(flat)
         ids = jnp.asarray(self.row_ids, jnp.int32)
         rows = train[ROWS]
-        params["embed"] = jnp.asarray(params["embed"], rows["embed"].dtype).at[ids].set(rows["embed"])
-        if "lm_head" in rows:
-            params["lm_head"] = jnp.asarray(params["lm_head"], rows["lm_head"].dtype).at[:, ids].set(rows["lm_head"])
+        for name, at in (("embed", np.s_[ids]), ("lm_head", np.s_[:, ids])):
+            if name in rows:
+                table = jnp.asarray(params[name])
+                params[name] = table.at[at].set(rows[name].astype(table.dtype))
         return params
+
+
+def weights_dtype(cfg) -> str:
+    """The dtype a pipeline loads model weights in: `model.base_dtype` under LoRA (the frozen
+    base; adapters are float32 anyway), else `model.param_dtype` (master weights)."""
+    lora = cfg.model.get("lora")
+    if lora and int(lora.rank):
+        return jnp.dtype(resolve_dtype(cfg.model.get("base_dtype", "auto"))).name
+    return str(cfg.model.param_dtype)
 
 
 def _is_lora(path: tuple[str, ...]) -> bool:
