@@ -143,6 +143,29 @@ def check_restore_on_another_mesh(model, records):
     print("checkpoint from mesh (8,1,1) resumed on mesh (2,2,2): same final parameters")
 
 
+def check_lora_sharded_equals_unsharded(model, records):
+    """LoRA stage 1 on mesh (2, 2, 2) ends where it ends on one device; the adapters are split
+    like the weights they adapt (A along embed/fsdp, B along heads/tensor), never along the rank."""
+    from train_fixtures import train_config
+    from jaxrag.models.lora import add_lora
+    from jaxrag.train import stages
+    cfg = train_config(stage1=dict(batch_size=8, epochs=1))
+    cfg.model.lora = dict(rank=4, alpha=8.0, targets=["q", "o", "up"])
+    cfg.model.base_dtype = "float32"
+    root = Path(tempfile.mkdtemp())
+    one = stages.train_stage1(model, records, cfg, root / "one",
+                              mesh=sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1]))
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    eight = stages.train_stage1(model, records, cfg, root / "eight", mesh=mesh)
+    specs = sharding.param_shardings(mesh, add_lora(model, 4, 8.0, ["q", "o", "up"]).decoder)["layers"]
+    assert specs["attn"]["wq_lora_a"].spec == P(None, "fsdp", None)
+    assert specs["attn"]["wq_lora_b"].spec == P(None, None, "tensor", None)
+    assert specs["mlp"]["w_up_lora_b"].spec == P(None, None, "tensor")
+    got = jax.device_get(nnx.to_pure_dict(nnx.state(eight.decoder)))
+    assert_trees_close(got, jax.device_get(nnx.to_pure_dict(nnx.state(one.decoder))), atol=1e-6)
+    print("LoRA stage 1 on mesh (2,2,2) equals the single-device run")
+
+
 def check_indivisible_axes_are_replicated(model):
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 8})
     specs = sharding.param_shardings(mesh, model.decoder)
@@ -162,7 +185,8 @@ def main():
     check_indivisible_axes_are_replicated(model)
     for check, args in ((check_sharded_equals_unsharded, (model, data.rows(np.array([0, 1, 2, 3, 4, 5, 6, -1]), 0))),
                         (check_accumulation, (model, data.rows(np.arange(16), 0))),
-                        (check_restore_on_another_mesh, (model, records))):
+                        (check_restore_on_another_mesh, (model, records)),
+                        (check_lora_sharded_equals_unsharded, (model, records))):
         start = time.perf_counter()
         check(*args)
         print(f"  ({check.__name__}: {time.perf_counter() - start:.1f}s)")
