@@ -89,9 +89,9 @@ def test_trainable_split_join_round_trip(base):
     assert L.Trainable.for_model(base).split(pure(base))[1] == {}  # no adapters: everything trains
 
 
-def lora_config(**stage1):
+def lora_config(dropout=0.0, **stage1):
     cfg = train_config(stage1=stage1)
-    cfg.model.lora = dict(rank=4, alpha=8.0, targets=["q", "v", "up"])
+    cfg.model.lora = dict(rank=4, alpha=8.0, targets=["q", "v", "up"], dropout=dropout)
     cfg.model.base_dtype = "float32"
     return cfg
 
@@ -147,17 +147,19 @@ def test_stages_train_only_adapters_and_token_rows(tmp_path, base):
 
 def test_resume_equals_uninterrupted(tmp_path, base):
     """Checkpoints hold the trainable state only; resuming from one (the run stopped after step
-    2 of 3) gives the uninterrupted run's adapters."""
-    records = toy_records(10)
-    straight = stages.train_stage1(base, records, lora_config(checkpoint_every=1), tmp_path / "straight")
+    2 of 3) gives the uninterrupted run's adapters, LoRA dropout's draws included."""
+    records, cfg = toy_records(10), lora_config(dropout=0.1, checkpoint_every=1)
+    straight = stages.train_stage1(base, records, cfg, tmp_path / "straight")
+    no_dropout = stages.train_stage1(base, records, lora_config(checkpoint_every=1), tmp_path / "no_dropout")
+    assert not np.allclose(pure(straight)["layers"]["attn"]["wq_lora_b"], pure(no_dropout)["layers"]["attn"]["wq_lora_b"])
     partial = tmp_path / "partial"
-    stages.train_stage1(base, records, lora_config(checkpoint_every=1), partial)
+    stages.train_stage1(base, records, cfg, partial)
     import shutil
     shutil.rmtree(partial / stages.FINAL)
     shutil.rmtree(partial / "checkpoints" / "3")
     lines = (partial / "metrics.jsonl").read_text().splitlines()
     (partial / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    resumed = stages.train_stage1(base, records, lora_config(checkpoint_every=1), partial)
+    resumed = stages.train_stage1(base, records, cfg, partial)
     jax.tree.map(np.testing.assert_array_equal, pure(resumed), pure(straight))
 
 
@@ -198,3 +200,23 @@ def test_merged_export_and_peft_adapter_load_with_our_logits(tmp_path, variant, 
                                             tmp_path / "adapter").eval()
         np.testing.assert_allclose(on_base(torch.tensor(ids)).logits[0].numpy(), ours, atol=1e-4)
     assert np.abs(ours - np.asarray(base.logits(ids))[0, :, : base.config.vocab_size]).max() > 1e-2
+
+
+def test_lora_dropout_is_inverted_dropout_on_the_adapter_input():
+    """Each input unit of A kept with probability 1 - rate and scaled by 1 / (1 - rate): the mean
+    over keys is the adapter's output without dropout; a key gives the same draw every time."""
+    from jaxrag.models.decoder import MLP, DecoderConfig, LoraDropout, lora_delta
+
+    cfg = DecoderConfig(family="llama", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=1,
+                        num_heads=2, num_kv_heads=2, head_dim=8, lora_rank=4, lora_alpha=8.0, lora_targets=("up",))
+    mlp = MLP(cfg, nnx.Rngs(0))
+    mlp.w_up_lora_b[...] = np.random.default_rng(0).standard_normal((4, 24)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32)
+    want = np.asarray(lora_delta(mlp, "w_up", x, 1))
+    np.testing.assert_allclose(want, 2.0 * x @ np.asarray(mlp.w_up_lora_a[...]) @ np.asarray(mlp.w_up_lora_b[...]),
+                               rtol=1e-5, atol=1e-5)
+    draws = [np.asarray(lora_delta(mlp, "w_up", x, 1, LoraDropout(0.3, jax.random.key(k)))) for k in range(2000)]
+    assert not np.allclose(draws[0], want) and not np.allclose(draws[0], draws[1])
+    np.testing.assert_array_equal(draws[5], np.asarray(lora_delta(mlp, "w_up", x, 1, LoraDropout(0.3, jax.random.key(5)))))
+    np.testing.assert_allclose(np.mean(draws, axis=0), want, atol=0.06 * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(lora_delta(mlp, "w_up", x, 1, LoraDropout(0.0, jax.random.key(0)))), want)

@@ -103,12 +103,24 @@ def add_lora_params(module: nnx.Module, cfg: DecoderConfig, rngs: nnx.Rngs) -> N
                                                      ("lora_rank", *axes[n_in:]), jnp.float32, nnx.initializers.zeros))
 
 
-def lora_delta(module: nnx.Module, name: str, x: jax.Array, n_in: int) -> jax.Array | float:
+class LoraDropout(NamedTuple):
+    """Training's dropout on the adapters' input (as PEFT's `lora_dropout`): `rate`, and a key
+    that the layer loop folds the layer index into."""
+    rate: float
+    key: jax.Array
+
+
+def lora_delta(module: nnx.Module, name: str, x: jax.Array, n_in: int,
+               dropout: LoraDropout | None = None) -> jax.Array | float:
     """(alpha / rank) B A x for weight `name` contracting x's last `n_in` dims; 0 without an adapter."""
     if not hasattr(module, f"{name}_lora_a"):
         return 0.0
     a, b = getattr(module, f"{name}_lora_a")[...], getattr(module, f"{name}_lora_b")[...]
     cfg = module.cfg
+    if dropout is not None and dropout.rate > 0:
+        key = jax.random.fold_in(dropout.key, list(LORA_TARGETS.values()).index((name, n_in)))
+        keep = jax.random.bernoulli(key, 1.0 - dropout.rate, x.shape)
+        x = jnp.where(keep, x / (1.0 - dropout.rate), 0).astype(x.dtype)
     xa = jnp.tensordot(x, a.astype(x.dtype), axes=n_in)
     return (cfg.lora_alpha / cfg.lora_rank) * jnp.tensordot(xa, b.astype(x.dtype), axes=1)
 
@@ -160,18 +172,19 @@ class Attention(nnx.Module):
         self.cfg = cfg
         add_lora_params(self, cfg, rngs)
 
-    def _project(self, x, name, bias_name):
-        y = jnp.einsum("bte,enh->btnh", x, getattr(self, name)[...].astype(x.dtype)) + lora_delta(self, name, x, 1)
+    def _project(self, x, name, bias_name, dropout):
+        y = jnp.einsum("bte,enh->btnh", x, getattr(self, name)[...].astype(x.dtype)) + lora_delta(self, name, x, 1,
+                                                                                                    dropout)
         if hasattr(self, bias_name):
             y = y + getattr(self, bias_name)[...].astype(x.dtype)
         return y
 
-    def __call__(self, x, cos, sin, mask, cache: KVCache | None, layer, cache_index):
+    def __call__(self, x, cos, sin, mask, cache: KVCache | None, layer, cache_index, dropout=None):
         """x [b, t, e]; mask [b, 1, t, s] bool; `cache` all layers' (this one is `layer`)
         -> ([b, t, e], updated cache or None)."""
-        q = apply_rope(self._project(x, "wq", "bq"), cos, sin)
-        k = apply_rope(self._project(x, "wk", "bk"), cos, sin)
-        v = self._project(x, "wv", "bv")
+        q = apply_rope(self._project(x, "wq", "bq", dropout), cos, sin)
+        k = apply_rope(self._project(x, "wk", "bk", dropout), cos, sin)
+        v = self._project(x, "wv", "bv", dropout)
         if cache is not None:
             # Write this chunk's slots of this layer in place, then read the layer's keys.
             start = (layer, 0, cache_index, 0, 0)
@@ -181,7 +194,7 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False).astype(x.dtype)
         impl = attention_implementation(jax.default_backend(), x.dtype, self.cfg.head_dim, self.cfg.sliding_window)
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # grouped-query aware
-        y = jnp.einsum("btnh,nhe->bte", out, self.wo[...].astype(x.dtype)) + lora_delta(self, "wo", out, 2)
+        y = jnp.einsum("btnh,nhe->bte", out, self.wo[...].astype(x.dtype)) + lora_delta(self, "wo", out, 2, dropout)
         if self.cfg.o_bias:
             y = y + self.bo[...].astype(x.dtype)
         return y, cache
@@ -198,11 +211,12 @@ class MLP(nnx.Module):
         self.cfg = cfg
         add_lora_params(self, cfg, rngs)
 
-    def _dense(self, x, name):
-        return x @ getattr(self, name)[...].astype(x.dtype) + lora_delta(self, name, x, 1)
+    def _dense(self, x, name, dropout):
+        return x @ getattr(self, name)[...].astype(x.dtype) + lora_delta(self, name, x, 1, dropout)
 
-    def __call__(self, x):
-        return self._dense(jax.nn.silu(self._dense(x, "w_gate")) * self._dense(x, "w_up"), "w_down")
+    def __call__(self, x, dropout=None):
+        h = jax.nn.silu(self._dense(x, "w_gate", dropout)) * self._dense(x, "w_up", dropout)
+        return self._dense(h, "w_down", dropout)
 
 
 class Block(nnx.Module):
@@ -213,10 +227,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, mask, cache, layer, cache_index):
-        h, cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, cache_index)
+    def __call__(self, x, cos, sin, mask, cache, layer, cache_index, dropout=None):
+        h, cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, cache_index, dropout)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        return x + self.mlp(self.mlp_norm(x), dropout), cache
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -292,6 +306,7 @@ class Decoder(nnx.Module):
         logit_positions: jax.Array | None = None,  # [batch, k] int
         remat: str = "none",  # a REMAT_POLICIES key: what training's backward pass keeps
         batch_sharding: jax.sharding.Sharding | None = None,  # of [batch, ...] activations
+        lora_dropout: LoraDropout | None = None,  # training only
     ) -> DecoderOutput:
         """`hidden_layer` l returns transformers' `hidden_states[l]`: 0 = embeddings, l = output
         of decoder layer l (1-based), num_layers = after the final norm. With `segment_ids`, a
@@ -315,7 +330,8 @@ class Decoder(nnx.Module):
         def layer(carry, xs):
             x, kv, hidden = carry
             i, params = xs
-            x, kv = nnx.merge(graphdef, params)(pin(x), cos, sin, mask, kv, i, cache_index)
+            drop = None if lora_dropout is None else lora_dropout._replace(key=jax.random.fold_in(lora_dropout.key, i))
+            x, kv = nnx.merge(graphdef, params)(pin(x), cos, sin, mask, kv, i, cache_index, drop)
             x = pin(x)
             if carry_hidden:
                 hidden = jnp.where(i + 1 == hidden_layer, x, hidden)

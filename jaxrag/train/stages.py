@@ -83,7 +83,8 @@ def with_lora(model: Model, cfg) -> Model:
 
 
 def _trainable(model: Model, cfg) -> Trainable:
-    return Trainable.for_model(model, cfg.model.get("base_dtype", "auto"))
+    lora = cfg.model.get("lora") or {}
+    return Trainable.for_model(model, cfg.model.get("base_dtype", "auto"), float(lora.get("dropout", 0.0)))
 
 
 def _stage_setup(model: Model, records, cfg, name: str, pairs: bool):

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxrag import sharding
 from jaxrag.errors import JaxragError
-from jaxrag.models.decoder import REMAT_POLICIES, Decoder, positions_from_segments
+from jaxrag.models.decoder import REMAT_POLICIES, Decoder, LoraDropout, positions_from_segments
 from jaxrag.models.lora import Trainable
 from jaxrag.train.checkpoint import Checkpoints, abstract_like
 from jaxrag.train.losses import Forward, LossTerms, target_logprobs, token_logprobs
@@ -94,50 +94,55 @@ def accumulation_steps(spec: TrainSpec, mesh) -> int:
     return spec.batch_size // micro
 
 
-def forward_fn(graphdef, params, remat: str = "none", mesh=None) -> Forward:
+def forward_fn(graphdef, params, remat: str = "none", mesh=None, dropout: LoraDropout | None = None) -> Forward:
     """`mask` [b, t]: bool (real tokens) or int segment ids of packed documents (0 = padding);
     `targets` [b, k]: the positions to score (the head runs there only), or None for all.
     `remat`: what a gradient through it keeps per layer (`REMAT_POLICIES`); `mesh`: activations
-    stay split over its batch axes."""
+    stay split over its batch axes; `dropout`: LoRA dropout (training)."""
     model = nnx.merge(graphdef, params)
 
     def forward(ids, mask, targets=None):
         segments = mask.astype(jnp.int32)
         at = None if targets is None else jnp.maximum(targets - 1, 0)  # the logits at t - 1 predict ids[t]
         logits = model(ids, positions_from_segments(segments), segments > 0, segment_ids=segments,
-                       logit_positions=at, remat=remat,
+                       logit_positions=at, remat=remat, lora_dropout=dropout,
                        batch_sharding=None if mesh is None else sharding.batch_sharding(mesh)).logits
         return token_logprobs(logits, ids) if targets is None else target_logprobs(logits, ids, targets)
     return forward
 
 
 def loss_and_grads(graphdef, objective: Objective, params: dict, batch: dict,
-                   remat: str = "none", mesh=None, full=lambda p: p) -> tuple[LossTerms, dict]:
+                   remat: str = "none", mesh=None, full=lambda p: p,
+                   dropout: LoraDropout | None = None) -> tuple[LossTerms, dict]:
     """Loss terms (sums) and the gradient of `terms.total` w.r.t. params (`full(params)` = the
     model's whole parameter tree: `Trainable.join` with the frozen rest under LoRA)."""
     def total(p):
-        terms = objective(forward_fn(graphdef, full(p), remat, mesh), batch)
+        terms = objective(forward_fn(graphdef, full(p), remat, mesh, dropout), batch)
         return terms.total, terms
     (_, terms), grads = jax.value_and_grad(total, has_aux=True)(params)
     return terms, grads
 
 
 def accumulated_grads(graphdef, objective: Objective, params: dict, batch: dict, accum: int, mesh,
-                      params_sh: dict, remat: str = "none", full=lambda p: p) -> tuple[LossTerms, dict]:
-    """Loss terms and gradients summed over `accum` micro-batches of the global batch [B, ...]."""
+                      params_sh: dict, remat: str = "none", full=lambda p: p,
+                      dropout: LoraDropout | None = None) -> tuple[LossTerms, dict]:
+    """Loss terms and gradients summed over `accum` micro-batches of the global batch [B, ...]
+    (micro-batch k drops out with the key folded with k)."""
     grads_of = functools.partial(loss_and_grads, graphdef, objective, remat=remat, mesh=mesh, full=full)
     # Micro-batch k = rows k::accum: each keeps an even share on every data shard (no shuffle).
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
-    def body(carry, mb):
+    def body(carry, k_mb):
+        k, mb = k_mb
         mb = jax.lax.with_sharding_constraint(mb, sharding.batch_sharding(mesh))
-        terms, grads = grads_of(params, mb)
+        drop = None if dropout is None else dropout._replace(key=jax.random.fold_in(dropout.key, k))
+        terms, grads = grads_of(params, mb, dropout=drop)
         grads = jax.lax.with_sharding_constraint(grads, params_sh)
         return jax.tree.map(lambda a, b: a + b.astype(a.dtype), carry, (terms, grads)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), jax.eval_shape(grads_of, params, first))
-    return jax.lax.scan(body, zeros, micro)[0]
+    return jax.lax.scan(body, zeros, (jnp.arange(accum), micro))[0]
 
 
 def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shardings: dict, accum: int,
@@ -148,8 +153,11 @@ def make_train_step(graphdef, objective: Objective, spec: TrainSpec, mesh, shard
 
     def step(state, batch, frozen):
         params = state["params"]
+        # LoRA dropout: a key per step from the seed, so a resumed run draws what it would have
+        dropout = LoraDropout(trainable.dropout, jax.random.fold_in(jax.random.key(spec.seed), state["step"])) \
+            if trainable.dropout > 0 else None
         terms, grads = accumulated_grads(graphdef, objective, params, batch, accum, mesh, shardings["params"],
-                                         spec.remat, lambda p: trainable.join(p, frozen))
+                                         spec.remat, lambda p: trainable.join(p, frozen), dropout)
         count = jnp.maximum(terms.count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
         updates, opt = tx.update(grads, state["opt"], params)
