@@ -4,6 +4,7 @@ batch (injected clock) and bootstrap intervals."""
 
 import itertools
 import json
+import types
 
 import numpy as np
 import pytest
@@ -128,8 +129,8 @@ def test_no_dpo_stage_runs_the_stage1_objective(monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake_fit(decoder, data, objective, spec, workdir, mesh, fingerprint):
-        seen.update(objective=objective, spec=spec, fingerprint=fingerprint, pairs=data.pairs)
+    def fake_fit(decoder, data, objective, spec, workdir, mesh, fingerprint, trainable):
+        seen.update(objective=objective, spec=spec, fingerprint=fingerprint, pairs=data.pairs, trainable=trainable)
         raise StopIteration  # stop before any training: only the wiring is under test
 
     class FakeData:
@@ -143,14 +144,15 @@ def test_no_dpo_stage_runs_the_stage1_objective(monkeypatch, tmp_path):
     monkeypatch.setattr(stages, "RecordData", FakeData)
     monkeypatch.setattr(stages, "as_records", lambda records, sources: records)
     cfg = tiny_config("qwen2")
-    model = type("M", (), {"sources": ("wiki", "self"), "tokenizer": None, "decoder": None})()
+    model = type("M", (), {"sources": ("wiki", "self"), "tokenizer": None, "decoder": None,
+                           "config": types.SimpleNamespace(lora_rank=0)})()
     with pytest.raises(StopIteration):
         stages.train_stage2_no_dpo(model, [], cfg, tmp_path)
     assert seen["objective"] is losses.stage1_objective and not seen["pairs"]
     s2 = cfg.stage2
     assert seen["spec"].lr == s2.lr and seen["spec"].batch_size == s2.batch_size
     assert seen["spec"].total_steps == s2.epochs * -(-40 // s2.batch_size)
-    assert seen["fingerprint"]["task"] == "stage2_no_dpo"
+    assert seen["fingerprint"]["task"] == "stage2_no_dpo" and not seen["trainable"].lora  # full FT: all trains
 
 
 @pytest.fixture(scope="module")

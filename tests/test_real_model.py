@@ -207,29 +207,3 @@ def test_stage1_steps_lower_the_loss_and_export_loads(srrag, tmp_path):
     ours = np.asarray(trained.logits([prompt]))[0]
     np.testing.assert_allclose(torch_forward(exported, prompt).logits[0].numpy(), ours, atol=5e-4, rtol=0)
 
-
-def test_laptop_example_routes_real_questions(tmp_path, capsys):
-    """examples/real_model.py (the README's real-model example) end to end on a smaller index:
-    convert, chunk + index, one routed batch with both sources; rerunning skips finished steps."""
-    import importlib.util
-
-    from real_fixtures import REPO_ROOT
-    spec = importlib.util.spec_from_file_location("real_model_example", REPO_ROOT / "examples" / "real_model.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    out = example.main(["--workdir", str(tmp_path), "--paragraphs", "400"])  # holds the 3 gold paragraphs
-    rows = out["rows"]
-    assert [r.source for r in rows] == ["wiki", "self", "wiki", "self"]
-    paragraphs = wiki_paragraphs()
-    for r, title in zip(rows, ("Eiffel Tower", None, "Hamlet", None)):
-        assert r.p_model == pytest.approx([0.5, 0.5], abs=1e-4)  # untrained source rows: the same mean row
-        if title:  # MiniLM's top passage is the gold paragraph (it is under 100 words: one chunk)
-            assert r.knowledge == f"(Title: {title}) {paragraphs[title]}" and set(r.latency) == {"T_d", "T_r", "T_g"}
-        else:
-            assert set(r.latency) == {"T_d", "T_v", "T_g"}
-    assert {"convert", "chunk+index", "route"} <= set(out["timings"])
-    again = example.main(["--workdir", str(tmp_path), "--source", "wiki",
-                          "Which engineer is the Eiffel Tower named after?"])
-    assert "convert" not in again["timings"] and "chunk+index" not in again["timings"]
-    assert again["rows"][0].knowledge.startswith("(Title: Eiffel Tower)")
-    assert "seconds per step" in capsys.readouterr().out
