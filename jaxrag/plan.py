@@ -20,13 +20,18 @@ import sys
 
 if __name__ == "__main__":
     # The documented spelling is --device-memory-gb / --memory-fraction; absl names are underscored.
-    sys.argv = [("--" + a[2:].split("=", 1)[0].replace("-", "_") + a[2:][len(a[2:].split("=", 1)[0]):])
-                if a.startswith("--") and not a.startswith("--config") else a for a in sys.argv]
+    def _underscored(arg: str) -> str:
+        name, eq, value = arg.partition("=")
+        return "--" + name[2:].replace("-", "_") + eq + value if name.startswith("--") else arg
+    sys.argv = [a if a.startswith("--config") else _underscored(a) for a in sys.argv]
     # the fake device count must be set before jax is imported
     _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), None)
     if _n is None and "--devices" in sys.argv[:-1]:
         _n = sys.argv[sys.argv.index("--devices") + 1]
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_n or 8}"
+    from jaxrag.plan_fit import PLAN_XLA_FLAGS  # imports no jax
+
+    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_n or 8} "
+                               + PLAN_XLA_FLAGS)
 
 import dataclasses
 import json

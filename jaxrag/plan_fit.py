@@ -16,6 +16,11 @@ ACCELERATORS = {
     "v5p": (459e12, 2.76e12, 95.0),
 }
 DEFAULT_FRACTION, DEFAULT_MFU, DEFAULT_HEADROOM = 0.75, 0.5, 0.10
+# Compiling for fake CPU devices, XLA's CPU backend runs bf16 matmuls in float32 and its
+# while-loop invariant code motion hoists a float32 copy of every layer's bf16 weights out of the
+# layer scan (~28 GB for a 7B model) that an accelerator, with native bf16 matmuls, never makes.
+# The plan compiles without that pass (`python -m jaxrag.plan` sets it before jax starts).
+PLAN_XLA_FLAGS = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
 
 
 @dataclasses.dataclass

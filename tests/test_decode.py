@@ -25,6 +25,18 @@ def test_greedy_matches_transformers_generate_on_left_padded_batch(tiny_hf, vari
     assert generate(model.decoder, PROMPTS, 12) == _hf_greedy(ref, PROMPTS, 12)
 
 
+@pytest.mark.parametrize("variant", ["qwen2", "phi3_window"])
+def test_chunked_prefill_equals_transformers(tiny_hf, variant, monkeypatch):
+    """Prompts prefilled 4 columns at a time (a row's first chunks all padding; the sliding
+    window crossing chunks) give transformers' greedy tokens, as the one-pass prefill does."""
+    from jaxrag.decode import sampler
+
+    ref, _, model = tiny_hf(variant)
+    whole = generate(model.decoder, PROMPTS, 12)
+    monkeypatch.setattr(sampler, "PREFILL_CHUNK", 4)  # PROMPTS bucket to 16 columns: 4 chunks
+    assert generate(model.decoder, PROMPTS, 12) == whole == _hf_greedy(ref, PROMPTS, 12)
+
+
 def test_stop_tokens_per_row_end_rows_independently(tiny_hf):
     _, _, model = tiny_hf("qwen2")
     free = generate(model.decoder, PROMPTS, 12)

@@ -43,6 +43,11 @@ class DecodeState(NamedTuple):
     logits: jax.Array  # [batch, vocab] float32: next-token logits after the last real token
 
 
+# Prompt columns per prefill pass: a long prompt is appended in chunks, so attention's
+# temporaries (without a fused kernel: [rows, heads, chunk, cache] scores) stay bounded.
+PREFILL_CHUNK = 512
+
+
 def bucket(n: int, minimum: int = 8) -> int:
     """Smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
@@ -205,7 +210,9 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     batch, length, steps = batch_rows(n, mesh), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
     state = init_state(decoder, batch, length + steps)
     ids, mask = left_pad(prompts, length, batch)
-    state, _ = extend(decoder, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
+    for start in range(0, length, PREFILL_CHUNK):  # lengths are powers of two: whole chunks
+        cols = slice(start, start + PREFILL_CHUNK)
+        state, _ = extend(decoder, state, on_mesh(ids[:, cols], mesh), on_mesh(mask[:, cols], mesh))
     budget = np.zeros(batch, np.int32)
     budget[:n] = max_new_tokens
     rng = jax.random.key(0) if rng is None else rng

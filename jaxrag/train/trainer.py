@@ -2,6 +2,9 @@
 
 - State = {"params", "opt", "step"} as pure pytrees, placed with NamedSharding by
   `jaxrag.sharding` rules (optimizer moments follow their parameter's sharding).
+- What trains: `Trainable` — every parameter, or under LoRA the adapters and the SR-RAG
+  tokens' rows, with the frozen rest passed to the step as an argument (never in the optimizer
+  state or the checkpoints).
 - Optimiser: gradient clipping + AdamW (no decay on 1-D params) with linear warm-up and
   linear decay to zero; f32 master weights, compute in the decoder's dtype (bf16 on
   accelerators with `dtype="auto"`).
