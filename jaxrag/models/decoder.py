@@ -12,6 +12,8 @@ The layers are one stacked `Block` (every parameter has a leading `layers` axis)
 `jax.lax.scan`, for every model size: XLA compiles one layer once, and under FSDP it gathers,
 uses and frees one layer's weights at a time (and reduce-scatters that layer's gradients inside
 the backward loop). `remat` wraps the scanned layer in `jax.checkpoint` (see `REMAT_POLICIES`).
+With `lora_rank` > 0 the projections named in `lora_targets` carry LoRA adapters (float32 A, B;
+`jaxrag.models.lora` adds, trains and merges them).
 """
 
 from __future__ import annotations
