@@ -50,7 +50,8 @@ def paper_config(family: str) -> ConfigDict:
         remat="block",
         # LoRA for both stages (rank 0 = full fine-tuning, the paper's): adapters on `targets`
         # among q k v o gate up down, scaled alpha / rank, dropout on their input while training,
-        # plus the SR-RAG tokens' embedding rows; the frozen base in base_dtype ("auto": bfloat16 on accelerators, float32 on CPU).
+        # plus the SR-RAG tokens' embedding rows; the frozen base in base_dtype ("auto":
+        # bfloat16 on accelerators, float32 on CPU).
         lora=ConfigDict(dict(rank=0, alpha=32.0, targets=["q", "k", "v", "o", "gate", "up", "down"], dropout=0.0)),
         base_dtype="auto",
         arch=ConfigDict(),  # only for models trained from scratch (the tiny config)

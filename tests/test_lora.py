@@ -10,6 +10,7 @@ import orbax.checkpoint as ocp
 import numpy as np
 import pytest
 from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxrag.errors import JaxragError
 from jaxrag.models import lora as L
@@ -31,12 +32,12 @@ def pure(model) -> dict:
 
 def with_random_b(model, seed=1):
     """Adapters with nonzero B (as after training), so the LoRA path changes the logits."""
-    params, rng = L._flat(pure(model)), np.random.default_rng(seed)
+    params, rng = flatten_dict(pure(model)), np.random.default_rng(seed)
     for path, v in params.items():
         if path[-1].endswith("_lora_b"):
             params[path] = (rng.standard_normal(v.shape) * 0.05).astype(v.dtype)
     state = nnx.state(model.decoder)
-    nnx.replace_by_pure_dict(state, L._unflat(params))
+    nnx.replace_by_pure_dict(state, unflatten_dict(params))
     nnx.update(model.decoder, state)
     return model
 
@@ -49,7 +50,7 @@ def base():
 def test_untrained_adapters_change_nothing(base):
     adapted = L.add_lora(base, 4, 8.0, ALL)
     np.testing.assert_array_equal(np.asarray(adapted.logits(IDS)), np.asarray(base.logits(IDS)))
-    shapes = L._flat(jax.tree.map(np.shape, pure(adapted)))
+    shapes = flatten_dict(jax.tree.map(np.shape, pure(adapted)))
     # stacked layers: A [layers, inputs..., rank], B [layers, rank, outputs...]
     assert shapes[("layers", "attn", "wq_lora_a")] == (2, 32, 4)
     assert shapes[("layers", "attn", "wq_lora_b")] == (2, 4, 4, 8)
@@ -63,7 +64,7 @@ def test_lora_forward_equals_merged_weights(base):
     lora_logits = np.asarray(adapted.logits(IDS))
     assert np.abs(lora_logits - np.asarray(base.logits(IDS))).max() > 1e-2
     merged = L.merge_lora(adapted)
-    assert merged.config.lora_rank == 0 and not any(L._is_lora(p) for p in L._flat(pure(merged)))
+    assert merged.config.lora_rank == 0 and not any(L._is_lora(p) for p in flatten_dict(pure(merged)))
     np.testing.assert_allclose(np.asarray(merged.logits(IDS)), lora_logits, atol=2e-5)
     # by hand for one weight: W + alpha/rank * A @ B
     a, b = pure(adapted)["layers"]["mlp"]["w_up_lora_a"][0], pure(adapted)["layers"]["mlp"]["w_up_lora_b"][0]
@@ -81,7 +82,7 @@ def test_trainable_split_join_round_trip(base):
     t = L.Trainable.for_model(adapted, "float32")
     assert t.row_ids == tuple(adapted.token_id(tok) for tok in srrag_tokens(adapted.sources))
     train, frozen = t.split(pure(adapted))
-    assert set(L._flat(train)) == {("layers", "attn", "wq_lora_a"), ("layers", "attn", "wq_lora_b"),
+    assert set(flatten_dict(train)) == {("layers", "attn", "wq_lora_a"), ("layers", "attn", "wq_lora_b"),
                                    ("layers", "mlp", "w_down_lora_a"), ("layers", "mlp", "w_down_lora_b"),
                                    (L.ROWS, "embed"), (L.ROWS, "lm_head")}
     assert train[L.ROWS]["embed"].shape == (4, 32)
@@ -100,7 +101,7 @@ def test_stages_train_only_adapters_and_token_rows(tmp_path, base):
     records, cfg = toy_records(10), lora_config()
     s1 = stages.train_stage1(base, records, cfg, tmp_path / "s1")
     assert s1.config.lora_targets == ("q", "v", "up")
-    before, after = L._flat(pure(base)), L._flat(pure(s1))
+    before, after = flatten_dict(pure(base)), flatten_dict(pure(s1))
     rows = [s1.token_id(t) for t in srrag_tokens(s1.sources)]
     others = np.setdiff1d(np.arange(before[("embed",)].shape[0]), rows)
     for path, value in after.items():
@@ -128,7 +129,7 @@ def test_stages_train_only_adapters_and_token_rows(tmp_path, base):
     np.testing.assert_array_equal(np.asarray(reloaded.logits(IDS)), np.asarray(s1.logits(IDS)))
 
     s2 = stages.train_stage2(s1, s1, records, cfg, tmp_path / "s2")  # continues the stage-1 adapter
-    mid, end = L._flat(pure(s1)), L._flat(pure(s2))
+    mid, end = flatten_dict(pure(s1)), flatten_dict(pure(s2))
     assert not np.allclose(end[("layers", "attn", "wq_lora_b")], mid[("layers", "attn", "wq_lora_b")])
     np.testing.assert_array_equal(end[("layers", "attn", "wk")], before[("layers", "attn", "wk")])
 
@@ -181,12 +182,12 @@ def test_merged_export_and_peft_adapter_load_with_our_logits(tmp_path, variant, 
     base = jaxrag.add_special_tokens(jaxrag.load_model(tmp_path / "hf"))
     jaxrag.export_hf(base, tmp_path / "base")
     adapted = with_random_b(L.add_lora(base, 4, 8.0, targets))
-    params, rows = L._flat(pure(adapted)), [adapted.token_id(t) for t in srrag_tokens(adapted.sources)]
+    params, rows = flatten_dict(pure(adapted)), [adapted.token_id(t) for t in srrag_tokens(adapted.sources)]
     params[("embed",)][rows] += 0.3  # the rows training moves
     if ("lm_head",) in params:
         params[("lm_head",)][:, rows] -= 0.3
     state = nnx.state(adapted.decoder)
-    nnx.replace_by_pure_dict(state, L._unflat(params))
+    nnx.replace_by_pure_dict(state, unflatten_dict(params))
     nnx.update(adapted.decoder, state)
 
     export_adapter(adapted, tmp_path / "adapter")

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import LORA_TARGETS, Decoder, resolve_dtype
@@ -37,7 +38,7 @@ def add_lora(model, rank: int, alpha: float, targets: Sequence[str], seed: int =
     """`model` (a jaxrag Model) with adapters of `rank` on `targets`: base weights unchanged,
     A random (seeded), B zero. A model that already has adapters keeps them (stage 2 continues
     stage 1's)."""
-    from jaxrag.models.model import Model  # model.py imports this module's users
+    from jaxrag.models.model import Model, _build  # model.py imports this module's users
 
     cfg = model.config
     if cfg.lora_rank:
@@ -45,10 +46,10 @@ def add_lora(model, rank: int, alpha: float, targets: Sequence[str], seed: int =
     if rank <= 0:
         raise JaxragError(f"config model.lora.rank={rank}: must be positive to add adapters")
     lora_cfg = dataclasses.replace(cfg, lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=check_targets(targets))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(lora_cfg, nnx.Rngs(seed))))
-    base, rng = _flat(nnx.to_pure_dict(nnx.state(model.decoder))), np.random.default_rng(seed)
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Decoder(lora_cfg, nnx.Rngs(seed)))))
+    base, rng = flatten_dict(nnx.to_pure_dict(nnx.state(model.decoder))), np.random.default_rng(seed)
     merged = {}
-    for path, leaf in _flat(nnx.to_pure_dict(state)).items():  # abstract: nothing allocated yet
+    for path, leaf in flatten_dict(abstract).items():  # abstract: nothing allocated yet
         if path[-1].endswith("_lora_a"):  # [layers, inputs..., rank], std 1/sqrt(fan-in)
             std = 1.0 / np.sqrt(np.prod(leaf.shape[1:-1]))
             merged[path] = (rng.standard_normal(leaf.shape, np.float32) * std).astype(leaf.dtype)
@@ -56,33 +57,26 @@ def add_lora(model, rank: int, alpha: float, targets: Sequence[str], seed: int =
             merged[path] = np.zeros(leaf.shape, leaf.dtype)
         else:
             merged[path] = base[path]
-    nnx.replace_by_pure_dict(state, _unflat(merged))
-    return Model(nnx.merge(graphdef, state), model.tokenizer, model.hf_config, model.sources)
+    return Model(_build(lora_cfg, unflatten_dict(merged)), model.tokenizer, model.hf_config, model.sources)
 
 
 def merge_lora(model):
     """The plain model: every adapted W replaced by W + alpha/rank (A B); adapters dropped."""
-    from jaxrag.models.model import Model, host_params
+    from jaxrag.models.model import Model, _build, host_params
 
     cfg = model.config
     if not cfg.lora_rank:
         return model
-    params, scale = host_params(model.decoder), cfg.lora_alpha / cfg.lora_rank
-    for path, a in list(_flat(params).items()):
-        if path[-1].endswith("_lora_a"):
-            name = path[-1][: -len("_lora_a")]
-            parent = _get(params, path[:-1])
-            b = parent.pop(f"{name}_lora_b")
-            parent.pop(path[-1])
-            w = parent[name]
-            # a [layers, in..., r], b [layers, r, out...] -> [layers, in..., out...]
-            delta = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
-                              b.reshape(b.shape[0], b.shape[1], -1)).reshape(w.shape)
-            parent[name] = (w.astype(np.float32) + scale * delta).astype(w.dtype)
+    flat, scale = flatten_dict(host_params(model.decoder)), cfg.lora_alpha / cfg.lora_rank
+    for path in [p for p in flat if p[-1].endswith("_lora_a")]:
+        weight = (*path[:-1], path[-1][: -len("_lora_a")])
+        a, b, w = flat.pop(path), flat.pop((*weight[:-1], weight[-1] + "_lora_b")), flat[weight]
+        # a [layers, in..., r], b [layers, r, out...] -> [layers, in..., out...]
+        delta = np.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]),
+                          b.reshape(b.shape[0], b.shape[1], -1)).reshape(w.shape)
+        flat[weight] = (w.astype(np.float32) + scale * delta).astype(w.dtype)
     plain = dataclasses.replace(cfg, lora_rank=0, lora_alpha=0.0, lora_targets=())
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(plain, nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, params)
-    return Model(nnx.merge(graphdef, state), model.tokenizer, model.hf_config, model.sources)
+    return Model(_build(plain, unflatten_dict(flat)), model.tokenizer, model.hf_config, model.sources)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +104,12 @@ class Trainable:
         if not self.lora:
             return params, {}
         ids = np.asarray(self.row_ids, np.int32)
-        train = _unflat({p: leaf for p, leaf in _flat(params).items() if _is_lora(p)})
+        train = unflatten_dict({p: leaf for p, leaf in flatten_dict(params).items() if _is_lora(p)})
         train[ROWS] = {"embed": params["embed"][ids].astype(np.float32)}
         if "lm_head" in params:
             train[ROWS]["lm_head"] = params["lm_head"][:, ids].astype(np.float32)
         frozen = jax.tree.map(lambda x: x.astype(self.base_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                              {k: v for k, v in params.items()})
+                              params)
         return train, frozen
 
     def shardings(self, full: dict, replicated) -> tuple[dict, dict]:
@@ -123,7 +117,7 @@ class Trainable:
         adapters keep theirs, the token rows (a few rows) are replicated."""
         if not self.lora:
             return full, {}
-        train = _unflat({p: sh for p, sh in _flat(full).items() if _is_lora(p)})
+        train = unflatten_dict({p: sh for p, sh in flatten_dict(full).items() if _is_lora(p)})
         train[ROWS] = {k: replicated for k in ("embed", "lm_head") if k in full}
         return train, full
 
@@ -131,9 +125,9 @@ class Trainable:
         """(trainable, frozen) -> full params; gradients flow into `train` only."""
         if not self.lora:
             return train
-        flat = _flat(frozen)
-        flat.update(_flat({k: v for k, v in train.items() if k != ROWS}))
-        params = _unflat(flat)
+        flat = flatten_dict(frozen)
+        flat.update(flatten_dict({k: v for k, v in train.items() if k != ROWS}))
+        params = unflatten_dict(flat)
         ids = jnp.asarray(self.row_ids, jnp.int32)
         rows = train[ROWS]
         for name, at in (("embed", np.s_[ids]), ("lm_head", np.s_[:, ids])):
@@ -154,29 +148,3 @@ def weights_dtype(cfg) -> str:
 
 def _is_lora(path: tuple[str, ...]) -> bool:
     return path[-1].endswith(("_lora_a", "_lora_b"))
-
-
-def _flat(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, (*prefix, str(k))))
-        else:
-            out[(*prefix, str(k))] = v
-    return out
-
-
-def _unflat(flat: dict[tuple, object]) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return tree
-
-
-def _get(tree: dict, path: tuple):
-    for k in path:
-        tree = tree[k]
-    return tree

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import LORA_TARGETS
+from jaxrag.models.hf import _phi3_sizes
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -76,8 +77,8 @@ def adapter_tensors(params: dict, cfg, row_ids) -> tuple[dict[str, np.ndarray], 
 
 def _fused(params, cfg, module, parts, layer, r):
     """One adapter of rank len(targeted) x r on a Phi-3 fused module: stacked A, block-diagonal B."""
-    sizes = {"q": cfg.num_heads * cfg.head_dim, "k": cfg.num_kv_heads * cfg.head_dim,
-             "v": cfg.num_kv_heads * cfg.head_dim, "gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+    qkv, gate_up = _phi3_sizes(cfg)  # the fused weights' row blocks, as import splits them
+    sizes = dict(zip(("q", "k", "v", "gate", "up"), qkv + gate_up))
     order = _PHI3_FUSED[module]
     A_parts, B = [], np.zeros((sum(sizes[p] for p in order), r * len(parts)), np.float32)
     for j, part in enumerate(p for p in order if p in parts):
