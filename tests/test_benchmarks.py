@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import decode, retrieval, train
+from benchmarks import attention, decode, retrieval, train
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
@@ -35,6 +35,21 @@ def test_train_writes_the_contract(tmp_path):
     e, layers, heads, kv, hd, inter, vocab = 64, 2, 4, 2, 16, 128, 256
     params = layers * (e * heads * hd + 2 * e * kv * hd + heads * hd * e + 3 * e * inter) + e * vocab
     assert result["flops_per_token"] == 6 * params + 12 * layers * heads * hd * 16
+
+
+def test_attention_check_measures_bf16_against_float32(tmp_path):
+    """On CPU both paths are XLA: the check still compares bf16 with a float32 reference, so its
+    errors are bf16-sized and nonzero, padding rows get no gradient, and the decoder agrees."""
+    out = tmp_path / "attention.json"
+    result = attention.main(["--json", str(out), *TOY, "--batch", "2", "--seq", "16", "--repeats", "1"])
+    assert json.loads(out.read_text())["pass"] is result["pass"] is True
+    assert set(result["cases"]) == {f"{c}_head{d}" for c in ("train_left_padded", "train_packed", "prefill_chunk",
+                                                             "decode_step") for d in (16, 128)}
+    for row in result["cases"].values():
+        assert row["implementation"] == "xla" and row["fused"]["finite"]
+        assert all(0 < e < 0.03 for e in row["xla"]["rel_err"].values())
+    assert result["cases"]["decode_step_head16"]["t"] == 1
+    assert result["decoder"] == {"logits_rel_err": 0.0, "grad_rel_err": 0.0, "generate_same": 1.0}
 
 
 def test_retrieval_writes_the_contract_and_exact_search_is_exact(tmp_path):

@@ -104,18 +104,20 @@ def test_failures_name_the_settings_that_fit():
                      "--config.model.remat=block, --devices=16 (more FSDP devices)"]
 
 
-@pytest.mark.parametrize("backend, dtype, head_dim, window, want", [
-    ("gpu", jnp.bfloat16, 128, None, "cudnn"),
-    ("gpu", jnp.float16, 64, None, "cudnn"),
-    ("gpu", jnp.float32, 128, None, "xla"),  # cuDNN's fused kernel is half precision only
-    ("gpu", jnp.bfloat16, 256, None, "xla"),  # head dim above what every GPU generation supports
-    ("gpu", jnp.bfloat16, 100, None, "xla"),  # not a multiple of 8
-    ("gpu", jnp.bfloat16, 96, 2048, "xla"),  # sliding window: a mask cuDNN's kernel does not take
-    ("tpu", jnp.bfloat16, 128, None, "xla"),
-    ("cpu", jnp.bfloat16, 128, None, "xla"),
+@pytest.mark.parametrize("backend, dtype, head_dim, window, lengths, want", [
+    ("gpu", jnp.bfloat16, 128, None, (512, 512), "cudnn"),
+    ("gpu", jnp.float16, 64, None, (512, 1024), "cudnn"),  # a prefill chunk after earlier ones
+    ("gpu", jnp.float32, 128, None, (512, 512), "xla"),  # cuDNN's fused kernel is half precision only
+    ("gpu", jnp.bfloat16, 256, None, (512, 512), "xla"),  # head dim above what every GPU generation supports
+    ("gpu", jnp.bfloat16, 100, None, (512, 512), "xla"),  # not a multiple of 8
+    ("gpu", jnp.bfloat16, 96, 2048, (512, 512), "xla"),  # sliding window: a mask cuDNN's kernel does not take
+    ("gpu", jnp.bfloat16, 128, None, (1, 1024), "xla"),  # decode step: cuDNN refuses Q 1 (seen on an H100)
+    ("gpu", jnp.bfloat16, 128, None, (511, 511), "xla"),  # odd lengths with a mask: refused in training
+    ("tpu", jnp.bfloat16, 128, None, (512, 512), "xla"),
+    ("cpu", jnp.bfloat16, 128, None, (512, 512), "xla"),
 ])
-def test_attention_implementation(backend, dtype, head_dim, window, want):
-    assert attention_implementation(backend, dtype, head_dim, window) == want
+def test_attention_implementation(backend, dtype, head_dim, window, lengths, want):
+    assert attention_implementation(backend, dtype, head_dim, window, *lengths) == want
 
 
 def test_gpu_path_gets_the_causal_padding_segment_mask(monkeypatch):
@@ -144,7 +146,8 @@ def test_gpu_path_gets_the_causal_padding_segment_mask(monkeypatch):
     for b in range(2):
         for t in range(6):
             for s in range(6):
-                want[b, 0, t, s] = s <= t and segments[b, s] > 0 and segments[b, s] == segments[b, t]
+                # causal, real key, same document; and every query sees itself (no empty row)
+                want[b, 0, t, s] = s == t or (s <= t and segments[b, s] > 0 and segments[b, s] == segments[b, t])
     assert len(calls) == 1 or len(calls) == cfg.num_layers  # one traced scan body, or each layer eagerly
     for mask, implementation in calls:
         assert implementation == "cudnn"

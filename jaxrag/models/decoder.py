@@ -145,13 +145,17 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def attention_implementation(backend: str, dtype, head_dim: int, sliding_window: int | None) -> str:
+def attention_implementation(backend: str, dtype, head_dim: int, sliding_window: int | None,
+                             query_len: int, key_len: int) -> str:
     """`jax.nn.dot_product_attention`'s implementation: cuDNN's fused (flash) kernel on GPUs for
     bf16/fp16 with a head dim it supports (<= 128, a multiple of 8; no sliding window), which
     never materialises the [b, heads, t, s] probabilities; XLA elsewhere (CPU, TPU, float32).
-    Both get the same boolean mask (cuDNN receives it as an additive bias)."""
+    cuDNN rejects odd lengths once a masked attention is differentiated (seen on an H100:
+    "Unsupported sequence length Q 1"), and a one-token decode step has no [t, s] matrix worth
+    fusing, so those take XLA too. Both get the same boolean mask (cuDNN as an additive bias)."""
     fused_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if backend == "gpu" and fused_dtype and head_dim <= 128 and head_dim % 8 == 0 and sliding_window is None:
+    fused_shape = head_dim <= 128 and head_dim % 8 == 0 and query_len > 1 and query_len % 2 == 0 and key_len % 2 == 0
+    if backend == "gpu" and fused_dtype and fused_shape and sliding_window is None:
         return "cudnn"
     return "xla"
 
@@ -194,7 +198,8 @@ class Attention(nnx.Module):
                             jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start))
             k = jax.lax.dynamic_index_in_dim(cache.k, layer, keepdims=False).astype(x.dtype)
             v = jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False).astype(x.dtype)
-        impl = attention_implementation(jax.default_backend(), x.dtype, self.cfg.head_dim, self.cfg.sliding_window)
+        impl = attention_implementation(jax.default_backend(), x.dtype, self.cfg.head_dim, self.cfg.sliding_window,
+                                        q.shape[1], k.shape[1])
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # grouped-query aware
         y = jnp.einsum("btnh,nhe->bte", out, self.wo[...].astype(x.dtype)) + lora_delta(self, "wo", out, 2, dropout)
         if self.cfg.o_bias:
@@ -251,7 +256,8 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
 def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int | None,
                       segment_ids: jax.Array | None = None):
     """key_mask [b, s] bool -> [b, 1, t, s]: causal by slot index, padding, optional window,
-    and with `segment_ids` [b, t] (no cache) only keys of the query's own packed document.
+    and with `segment_ids` [b, t] (no cache) only keys of the query's own packed document; each
+    query also sees its own slot, so no row is empty.
 
     Query t sits at slot `cache_index + t` of the key axis (0 without a cache).
     """
@@ -264,6 +270,11 @@ def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int
     allowed = allowed[None] & key_mask[:, None, :].astype(bool)
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    # Every query sees its own slot (real ones already do): a padding query would otherwise see no
+    # key. On such a row cuDNN's forward equals XLA's but its backward does not (H100: |dv| 1744
+    # vs 1.7), and a padding position whose next token is real does get a gradient: the decoder's
+    # LM-loss gradient came out 1e17 off. Seeing itself, the row is well defined on both paths.
+    allowed |= (k_slot == q_slot)[None]
     return allowed[:, None]
 
 
