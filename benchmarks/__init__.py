@@ -5,4 +5,5 @@
     python -m benchmarks.retrieval --n N --dim D --json OUT   ScaNN vs exact search (+ encoder, datastore)
     python -m benchmarks.construct              Algorithm 1 throughput of an embedded-default-sized model
     python -m benchmarks.reading                how fast reading comprehension emerges in the tiny model
+    python -m benchmarks.attention --json OUT   the decoder's attention path (cuDNN on GPUs) vs XLA, numbers and time
 """

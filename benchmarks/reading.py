@@ -28,24 +28,13 @@ from jaxrag.config import tiny_config
 from jaxrag.data import world_pretrain as wp
 from jaxrag.data.world import WorldConfig, generate_world, write_world
 from jaxrag.data.world_entities import NameMaker
-from jaxrag.eval.probe import _answers, answer_scores
+from jaxrag.eval.probe import _answers, answer_scores, fresh_reading_questions
 from jaxrag.models.model import Model
 from jaxrag.pipeline import _tiny_model
 from jaxrag.prompts import base_prompt_text
 from jaxrag.train import losses
 from jaxrag.train.batches import TextData
 from jaxrag.train.trainer import TrainSpec, make_optimizer, make_train_step, state_shardings
-
-
-def held_out_questions(world, n: int) -> list[tuple[str, list[str], str]]:
-    """(question, [gold passage], answer) about fresh entities never in training."""
-    rng = random.Random("bench_reading:eval")
-    names = NameMaker(rng, world.reserved_words())
-    out = []
-    for _ in range(n):
-        draft, passages, _ = wp.fact_reading(world, "fact", 1, names, rng)
-        out.append((draft.question, passages, draft.golden_answers[0]))
-    return out
 
 
 def main() -> None:
@@ -84,7 +73,7 @@ def main() -> None:
     state = {"params": params, "opt": jax.jit(make_optimizer(spec).init, out_shardings=shardings["opt"])(params),
              "step": sharding.place(np.int32(0), shardings["step"])}
     step_fn = make_train_step(graphdef, losses.lm_objective, spec, mesh, shardings, 1)
-    questions = held_out_questions(world, args.questions)
+    questions = fresh_reading_questions(world, args.questions)
 
     def evaluate(params) -> dict:
         trained = Model(nnx.merge(graphdef, params), model.tokenizer, model.hf_config, model.sources)

@@ -37,9 +37,9 @@ def world_stage(cfg: ConfigDict, workdir: Path) -> Path:
     return write_world(_world(cfg), workdir / "world")
 
 
-def _tiny_model(cfg: ConfigDict, workdir: Path):
+def _tiny_model(cfg: ConfigDict, workdir: Path, init_seed: int | None = None):
     """A randomly initialised model of the config's family and `arch`, on the world tokenizer
-    (which already carries the SR-RAG tokens)."""
+    (which already carries the SR-RAG tokens); initialised from `init_seed` (default: the seed)."""
     from jaxrag.models import hf
     from jaxrag.models.decoder import Decoder
     from jaxrag.models.model import Model
@@ -49,13 +49,13 @@ def _tiny_model(cfg: ConfigDict, workdir: Path):
         cfg.model.family, vocab_size=len(tok), tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **cfg.model.arch.to_dict())
     dec_cfg = hf.decoder_config(hf_config, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-    decoder = Decoder(dec_cfg, nnx.Rngs(int(cfg.seed)))
+    decoder = Decoder(dec_cfg, nnx.Rngs(int(cfg.seed) if init_seed is None else init_seed))
     return Model(decoder, tok, hf_config, tuple(cfg.model.sources))
 
 
 def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
-    """Embedded default: pretrain the tiny model on the world's text, then probe what it knows.
-    Real models: convert the HF checkpoint and add the SR-RAG tokens."""
+    """Embedded default: pretrain the tiny model on the world's text until it reads, then probe
+    what it knows. Real models: convert the HF checkpoint and add the SR-RAG tokens."""
     from jaxrag.models.model import add_special_tokens, load_model, save_model
 
     out = workdir / "base"
@@ -63,16 +63,46 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
         model = add_special_tokens(load_model(cfg.model.path, dtype=cfg.model.dtype), cfg.model.sources)
         return save_model(model, out)
     from jaxrag.eval.probe import probe_world_knowledge
-    from jaxrag.train.stages import train_lm
 
     world = _world(cfg)
-    model = train_lm(_tiny_model(cfg, workdir), world.pretraining_documents, cfg, workdir / "base_train")
+    model, attempts = pretrain_until_it_reads(cfg, workdir, world)
     metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions),
                                     int(cfg.construct.verbalize_max_tokens))
+    metrics.update(fresh_reading=max(attempts), reading_attempts=attempts,
+                   reading_gate_passed=max(attempts) >= float(cfg.world_probe.reading_gate))
     save_model(model, out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print("  what the base model knows:", json.dumps(metrics))
     return out
+
+
+def pretrain_until_it_reads(cfg: ConfigDict, workdir: Path, world):
+    """(base model, fresh-entity reading of each attempt). Whether a tiny model learns to copy
+    from a passage is decided early and on a knife edge: seed 0's base read 0.39 of fresh-entity
+    questions with the gold passage where seeds 1 and 5407 read 0.90, and 300 more steps (also
+    reading-heavy ones) left it at 0.37-0.40. So the gate is on fresh entities only (never a
+    test question), and a base that fails it is pretrained again from another initialisation
+    and data order, up to `world_probe.attempts` times; the best reader is kept."""
+    from jaxrag.eval.probe import fresh_reading
+    from jaxrag.train.stages import train_lm
+
+    probe = cfg.world_probe
+    best, attempts = None, []
+    for attempt in range(int(probe.attempts)):
+        run_cfg = cfg
+        if attempt:  # a new initialisation and data order; the world stays the config's
+            run_cfg = ConfigDict(cfg.to_dict())
+            run_cfg.seed = int(cfg.seed) + 1_000_003 * attempt
+        train_dir = workdir / "base_train" / (f"attempt{attempt}" if attempt else "")
+        model = train_lm(_tiny_model(run_cfg, workdir), world.pretraining_documents, run_cfg, train_dir)
+        attempts.append(fresh_reading(model, world, int(probe.reading_questions)))
+        print(f"  base attempt {attempt}: reads {attempts[-1]:.2f} of fresh-entity questions with the gold passage"
+              f" (gate {float(probe.reading_gate):.2f})")
+        if best is None or attempts[-1] > max(attempts[:-1]):
+            best = model
+        if attempts[-1] >= float(probe.reading_gate):
+            break
+    return best, attempts
 
 
 def index_stage(cfg: ConfigDict, workdir: Path) -> Path:

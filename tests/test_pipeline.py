@@ -36,7 +36,7 @@ def mini_config():
                           num_key_value_heads=1)
     cfg.model.max_length = 160
     cfg.pretrain.update(steps=3, batch_size=4, checkpoint_every=2)
-    cfg.world_probe.questions = 3
+    cfg.world_probe.update(questions=3, reading_questions=4)  # a 3-step model cannot read: 2 attempts
     cfg.retrieval.n_passages = 2
     cfg.construct.update(n_contexts=2, verbalize_max_tokens=8, kmeans_clusters=2, demos_per_cluster=1)
     cfg.stage1.update(batch_size=4, epochs=1)
@@ -91,6 +91,10 @@ def test_every_stage_leaves_its_artifact(workdir):
     assert (workdir / "world" / "datasets" / "popqa" / "test.jsonl").is_file()
     probe = json.loads((workdir / "base" / "metrics.json").read_text())
     assert probe["n_popular"] == 3 and 0.0 <= probe["closed_book_popular"] <= 1.0
+    # The reading gate failed (a 3-step model), so the base was pretrained again from a new init.
+    assert len(probe["reading_attempts"]) == 2 and probe["reading_gate_passed"] is False
+    assert probe["fresh_reading"] == max(probe["reading_attempts"])
+    assert (workdir / "base_train" / "attempt1" / "model").is_dir()
     recall = json.loads((workdir / "index" / "retrieval_metrics.json").read_text())
     assert set(recall) == {f"{name}@{k}" for name in ("popqa", "triviaqa", "pubhealth", "arc_challenge")
                            for k in (2, 5)}
@@ -329,3 +333,31 @@ def test_killed_runs_rerun_to_the_same_results(workdir, tmp_path):
     got = json.loads((out / "results.json").read_text())
     assert _without_timings(got) == _without_timings(want)
     assert not list(out.glob(".*tmp*")) and not list(out.glob(".*partial"))
+
+
+def test_reading_gate_retries_from_a_new_init_and_keeps_the_best_reader(tmp_path, monkeypatch):
+    """pretrain_until_it_reads, with training and the probe replaced by records: attempt k trains
+    in its own directory from seed + 1_000_003 k, stops at the first reader, else keeps the best."""
+    from jaxrag.eval import probe
+    from jaxrag.train import stages
+
+    runs = []
+    monkeypatch.setattr(pipeline, "_tiny_model", lambda cfg, workdir: int(cfg.seed))
+    monkeypatch.setattr(stages, "train_lm", lambda seed, texts, cfg, workdir: runs.append((seed, workdir)) or seed)
+
+    def check(scores, attempts, want_runs, want_model):
+        runs.clear()
+        reads = iter(scores)
+        monkeypatch.setattr(probe, "fresh_reading", lambda model, world, n: next(reads))
+        cfg = tiny_config("qwen2")
+        cfg.update(seed=7)
+        cfg.world_probe.update(attempts=attempts, reading_gate=0.8)
+        model, got = pipeline.pretrain_until_it_reads(cfg, tmp_path, type("World", (), {"pretraining_documents": None}))
+        assert got == scores[:want_runs] and model == want_model
+        assert runs == [(7 + 1_000_003 * k, tmp_path / "base_train" / (f"attempt{k}" if k else ""))
+                        for k in range(want_runs)]
+        assert cfg.seed == 7 and cfg.world.seed == 7  # the config (and its world) untouched
+
+    check([0.9], 3, 1, 7)  # reads at once: one run
+    check([0.3, 0.85], 3, 2, 7 + 1_000_003)  # second init reads: stop there
+    check([0.5, 0.3, 0.4], 3, 3, 7)  # none reads: the best reader (the first)

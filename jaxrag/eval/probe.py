@@ -6,6 +6,8 @@ Prompts are the base model's (`prompts.base_prompt_text`), as in pretraining; an
 when its normalized text starts with the normalized gold value. `gold_passage_*_from_passage`
 is the fraction of answers whose first word occurs in the gold passage: it tells a model that
 reads but picks the wrong word (high) from one that ignores the passage (= accuracy).
+`fresh_reading` is the accuracy with the gold passage on fact questions about fresh entities
+(never in pretraining, never a test question): the base stage's reading gate reads it.
 `genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
 model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
 questions and for rule questions (the ARC-Challenge analogue).
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import random
 
+from jaxrag.data import world_pretrain as wp
+from jaxrag.data.world_entities import NameMaker
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import normalize_answer
 from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text
@@ -50,6 +54,25 @@ def answer_scores(answers: list[str], golds: list[str], passages: list[str] | No
         first = [a.split()[0] if a else "" for a in norm]
         out["from_passage"] = sum(bool(w) and w in normalize_answer(p).split() for w, p in zip(first, passages)) / n
     return out
+
+
+def fresh_reading_questions(world, n: int) -> list[tuple[str, list[str], str]]:
+    """(question, [gold passage], answer) about fresh entities: a random stream of its own, so
+    neither pretraining nor any dataset of the world holds them."""
+    rng = random.Random(f"{world.config.seed}:fresh_reading")
+    names = NameMaker(rng, world.reserved_words())
+    out = []
+    for _ in range(n):
+        draft, passages, _ = wp.fact_reading(world, "fact", 1, names, rng)
+        out.append((draft.question, passages, draft.golden_answers[0]))
+    return out
+
+
+def fresh_reading(model, world, n: int) -> float:
+    """Accuracy with the gold passage in context on `n` fresh-entity fact questions."""
+    questions = fresh_reading_questions(world, n)
+    answers = _answers(model, [base_prompt_text(q, p) for q, p, _ in questions])
+    return answer_scores(answers, [a for *_, a in questions])["accuracy"]
 
 
 def probe_world_knowledge(model, world, n: int, verbal_tokens: int = 48) -> dict:
