@@ -158,8 +158,12 @@ def test_eval_paths_retrieve_each_question_once(model):
     items = [("popqa", QAExample(f"q{i}", q, ("fox",))) for i, q in enumerate(QUESTIONS)]
     paths = routed_paths(model, items, cache, CFG, batch_size=4)
     assert len(calls) == 2
+    # One batch of 4: each row pays its own cached T_r plus an equal share of the batch's phases
+    # (so no wall-clock bound is needed); the Self path charges no T_r at all.
+    shared = np.asarray(paths.latency["wiki"]) - (10.0 + np.arange(len(QUESTIONS)))
+    assert np.all(shared > 0) and np.allclose(shared, shared[0])
+    own = np.asarray(paths.latency["self"])
+    assert np.allclose(own, own[0]) and own[0] < 10.0
     for i, q in enumerate(QUESTIONS):
-        assert 10.0 + i < paths.latency["wiki"][i] < 11.0 + i
-        assert paths.latency["self"][i] < 1.0
         direct = route(model, [q], always("wiki"), retrieve, CFG)[0]
         assert paths.answers["wiki"][i] == direct.answer
