@@ -155,7 +155,8 @@ def tiny_config(family: str) -> ConfigDict:
     # (validation 0.729 at 63% retrieval; the curve is flat, 0.70-0.73 over 0.1-0.8). Selective
     # RAG's p(<Wiki>) sits at 0.85-0.95 for nearly every question, so the paper's 0.2 retrieves
     # always: 0.9 (0.743 at 65%). The rule reads validation only and was fixed before the held-out
-    # seed ran; the constants are not re-chosen per run or per seed.
+    # seed ran; the constants are not re-chosen per run or per seed. Re-run on the reading-gated
+    # seed-0 model and seed 1 (session 28), the rule gave the same 0.35 / 0.9.
     cfg.inference.update(tau=0.35, selective_tau=0.9)
     cfg.baselines.update(seakr_samples=5, max_train_questions=400)
     return cfg
