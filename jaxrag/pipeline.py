@@ -37,9 +37,9 @@ def world_stage(cfg: ConfigDict, workdir: Path) -> Path:
     return write_world(_world(cfg), workdir / "world")
 
 
-def _tiny_model(cfg: ConfigDict, workdir: Path, init_seed: int | None = None):
+def _tiny_model(cfg: ConfigDict, workdir: Path):
     """A randomly initialised model of the config's family and `arch`, on the world tokenizer
-    (which already carries the SR-RAG tokens); initialised from `init_seed` (default: the seed)."""
+    (which already carries the SR-RAG tokens)."""
     from jaxrag.models import hf
     from jaxrag.models.decoder import Decoder
     from jaxrag.models.model import Model
@@ -49,7 +49,7 @@ def _tiny_model(cfg: ConfigDict, workdir: Path, init_seed: int | None = None):
         cfg.model.family, vocab_size=len(tok), tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **cfg.model.arch.to_dict())
     dec_cfg = hf.decoder_config(hf_config, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-    decoder = Decoder(dec_cfg, nnx.Rngs(int(cfg.seed) if init_seed is None else init_seed))
+    decoder = Decoder(dec_cfg, nnx.Rngs(int(cfg.seed)))
     return Model(decoder, tok, hf_config, tuple(cfg.model.sources))
 
 
