@@ -36,7 +36,7 @@ class SamplingParams:
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache  # every layer's keys/values [layers, batch, slots, kv_heads, head_dim]
+    cache: KVCache  # every layer's keys/values [layers, batch, kv_heads, head_dim, slots]
     key_mask: jax.Array  # [batch, slots] bool: slots holding this row's real tokens
     next_pos: jax.Array  # [batch] int32: position id of each row's next token
     slot: jax.Array  # [] int32: next free cache slot, shared by all rows
