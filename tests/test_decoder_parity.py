@@ -88,3 +88,23 @@ def test_scanned_layers_with_remat_equal_the_unrolled_math(remat):
     np.testing.assert_allclose(float(terms.total), float(want_loss), rtol=1e-5)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+@pytest.mark.parametrize("n_in, x_shape, w_shape", [(1, (2, 3, 5), (5, 4, 6)), (2, (2, 3, 4, 6), (4, 6, 5))])
+def test_projection_gradient_equals_jax_autodiff(n_in, x_shape, w_shape):
+    """`project`'s own backward (dW = x^T g over the token dims) equals JAX's autodiff of the
+    plain contraction, for an input projection ([e] -> [heads, head_dim]) and the output one."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrag.models.decoder import project
+
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    g = jax.random.normal(kg, x_shape[: len(x_shape) - n_in] + w_shape[n_in:])
+    got_y, got_vjp = jax.vjp(lambda a, b: project(a, b, n_in), x, w)
+    want_y, want_vjp = jax.vjp(lambda a, b: jnp.tensordot(a, b, axes=n_in), x, w)
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-6)
+    for got, want in zip(got_vjp(g), want_vjp(g)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
