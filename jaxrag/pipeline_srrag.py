@@ -96,12 +96,15 @@ def relabel(records: list[dict], field: str) -> list[dict]:
         rec = {**rec, "label": rec[field]}
         if field == "selective_label":
             wiki = [c for c in rec["contexts"] if c["source"] == WIKI]
-            if not wiki and rec["label"] == WIKI:
-                continue  # nothing to train on (counted by the construct stage as no_wiki)
             lls = [c["loglik"] for c in wiki]
             rec["contexts"] = wiki
             rec["best"] = {WIKI: int(np.argmax(lls))} if wiki else {}
             rec["worst"] = {WIKI: int(np.argmin(lls))} if wiki else {}
+        if rec["label"] != NONE and rec["label"] not in rec["best"]:
+            # Nothing to train on: a Wiki label without a retrieved passage, or a no-kv <Self>
+            # label (from the no-context likelihood) of a question whose verbalizations all came
+            # out empty (both counted by the construct stage: no retrieval / empty verb.).
+            continue
         out.append(rec)
     return out
 
