@@ -97,7 +97,7 @@ def test_projection_gradient_equals_jax_autodiff(n_in, x_shape, w_shape):
     import jax
     import jax.numpy as jnp
 
-    from jaxrag.models.decoder import project
+    from jaxrag.models.projection import project
 
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)

@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
+from jaxrag.models.projection import project
 from jaxrag.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
 FAMILIES = ("qwen2", "llama", "phi3")
 # What the backward pass keeps of each layer (`model.remat`): everything ("none"); only the
 # layer's input, recomputing the layer ("block"); or the outputs of the matmuls against weights
-# too ("dots": recomputes norms, activations and attention, not the projections; see `project`).
+# too ("dots": recomputes norms, activations and attention, not the projections; see `projection.project`).
 REMAT_POLICIES = {
     "none": None,
     "block": jax.checkpoint_policies.nothing_saveable,
@@ -105,37 +104,6 @@ def add_lora_params(module: nnx.Module, cfg: DecoderConfig, rngs: nnx.Rngs) -> N
                                                      (*axes[:n_in], "lora_rank"), jnp.float32, init_a))
             setattr(module, f"{name}_lora_b", _param(rngs, (cfg.lora_rank, *shape[n_in:]),
                                                      ("lora_rank", *axes[n_in:]), jnp.float32, nnx.initializers.zeros))
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _project(x, w, n_in: int):
-    return jnp.tensordot(x, w, axes=n_in)
-
-
-def _project_fwd(x, w, n_in):
-    return _project(x, w, n_in), (x, w)
-
-
-def _project_bwd(n_in, residuals, g):
-    x, w = residuals
-    n_out, lead = w.ndim - n_in, x.ndim - n_in
-    dx = jnp.tensordot(g, w, axes=(tuple(range(g.ndim - n_out, g.ndim)), tuple(range(n_in, w.ndim))))
-    dw = jnp.tensordot(x, g, axes=(tuple(range(lead)), tuple(range(lead))))
-    return dx, dw
-
-
-_project.defvjp(_project_fwd, _project_bwd)
-
-
-def project(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
-    """x's last `n_in` dims contracted with w's first: a layer's matmul against its weight.
-
-    The backward pass forms dW = x^T g as one contraction over the token dims. JAX's own rule
-    contracts g with x and transposes the product, and XLA-CPU then copies g (for the MLP the
-    wider [tokens, 1408] gradients) into a transposed layout before the matmul: an MLP's
-    forward + backward ran 28% slower, the whole train step ~13%. Same values either way.
-    The output is named "projection", what the `dots` remat policy keeps."""
-    return checkpoint_name(_project(x, w, n_in), "projection")
 
 
 class LoraDropout(NamedTuple):
