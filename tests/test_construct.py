@@ -307,6 +307,37 @@ def test_an_empty_genread_document_is_drawn_again(tmp_path):
     assert stats["verbalizations"] + stats["empty_verbalizations"] == 2 * len(EXAMPLES)
 
 
+def test_zero_shot_round_2_skips_round_1_and_counts_every_question(tmp_path, monkeypatch):
+    """demos_per_cluster = 0 (the tiny config: a 3M-parameter model copies a demo's entity):
+    round 2 prompts are GenRead's zero-shot ones; no round 1, no pools, no encoder. A question
+    left with no context at all (every verbalization empty, nothing retrieved) still counts."""
+    demos, real = [], C.genread_prompt
+
+    def spy(tok, question, ambiguous, given, limit=0):
+        demos.append(len(given))
+        return real(tok, question, ambiguous, given, limit)
+
+    class NoEncoder:
+        def encode(self, texts):
+            raise AssertionError("zero-shot round 2 clusters nothing")
+
+    monkeypatch.setattr(C, "genread_prompt", spy)
+    section = {**SECTION, "demos_per_cluster": 0}
+    out = C.construct(model(), EXAMPLES, retrieve, NoEncoder(), section, tmp_path / "z", progress=False)
+    assert not (out / "round1").exists() and demos == [0] * 2 * len(EXAMPLES)
+    records = records_of(out)
+    assert sorted(r["id"] for r in records) == sorted(e.id for _, e in EXAMPLES)
+    assert all((c["demos"], c["cluster"]) == (0, -1) for r in records for c in r["contexts"] if c["source"] == "self")
+
+    def nothing_for_one(questions, k):
+        return [[] if "number 0 " in q else r for q, r in zip(questions, retrieve(questions, k))]
+
+    out = C.construct(eos_model(model()), EXAMPLES, nothing_for_one, NoEncoder(), section, tmp_path / "e",
+                      progress=False)
+    nq = json.loads((out / "stats.json").read_text())["datasets"]["nq"]
+    assert (nq["n"], nq["no_context"]) == (3, 1) and "n0" not in {r["id"] for r in records_of(out)}
+
+
 def test_relabel_drops_records_with_no_context_of_the_new_label():
     """The ablations' relabelling (w/o kv label, Selective RAG) keeps a record only when the new
     label has a context to train on. Seen on a world seed: every verbalization of a FEVER-like

@@ -364,9 +364,10 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
             for stale in path.parent.glob(f".{path.name}.*.tmp"):
                 stale.unlink(missing_ok=True)
     todo = [k for k in mine if not shard_path(out_dir, k).exists()]
-    if todo or not (out_dir / ROUND1 / POOLS).exists():
+    demos = params.demos_per_cluster > 0  # zero-shot round 2 needs no round 1 or pools
+    if todo or (demos and not (out_dir / ROUND1 / POOLS).exists()):
         pools = genread_pools(model, shards, mine, out_dir, encoder, params, int(rng_seed), pi, mesh,
-                              wait_timeout_s, progress)
+                              wait_timeout_s, progress) if demos else {}
         done = sum(len(shards[k]) for k in mine) - sum(len(shards[k]) for k in todo)
         with tqdm(total=done + sum(len(shards[k]) for k in todo), initial=done, desc="construct", unit="q",
                   disable=not progress) as bar:
@@ -376,7 +377,7 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
                 bar.update(len(shards[k]))
     if pi == 0:
         wait_for([shard_path(out_dir, k) for k in range(len(shards))], "the other processes' shards", wait_timeout_s)
-        stats = construct_stats(out_dir, dict(skipped), params)
+        stats = construct_stats(out_dir, dict(skipped), Counter(it.dataset for it in items), params)
         write_json(out_dir / STATS, stats)
         if any(stats["all"][k] for k in ("truncated_verbalizations", "short_retrieval", "skipped_no_answer")):
             warnings.warn("construct: problems counted in stats.json:\n" + stats_markdown(stats), stacklevel=2)

@@ -25,10 +25,12 @@ def figure3_flip(record: dict) -> bool:
     return (best[WIKI] >= record["no_context_loglik"]) != (best[WIKI] >= best[SELF])
 
 
-def construct_stats(out_dir: str | os.PathLike, skipped: dict[str, int], params=None) -> dict:
+def construct_stats(out_dir: str | os.PathLike, skipped: dict[str, int], questions: dict[str, int],
+                    params=None) -> dict:
     """Per dataset and over all: questions, % labelled Self (Table 5), % Figure-3 flips, % where
     the no-context ("w/o kv. label") label differs, % Selective-RAG Wiki labels, mean p(a|q),
-    p(a|q,c_i+), p(a|q,c_e+) (Figure 3's bars) and the problems counted."""
+    p(a|q,c_i+), p(a|q,c_e+) (Figure 3's bars) and the problems counted. questions: per dataset,
+    the questions construction ran on (those with an answer); one without a record is counted."""
     acc: dict[str, Counter] = {name: Counter(skipped_no_answer=k) for name, k in skipped.items()}
     for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
         for r in read_jsonl(path):
@@ -57,10 +59,10 @@ def construct_stats(out_dir: str | os.PathLike, skipped: dict[str, int], params=
                            "best_wiki": mean("p_best_wiki", "with_wiki")},
                 "verbalizations": a["verbalizations"], **{k: int(a[k]) for k in _COUNTS}}
 
-    round1 = [r for p in sorted(Path(out_dir).glob(f"{ROUND1}/shard-*.jsonl")) for r in read_jsonl(p)]
-    for name, total in Counter(r["dataset"] for r in round1).items():  # round 1 holds every question
+    for name, total in questions.items():  # every question with an answer, recorded or not
         a = acc.setdefault(name, Counter())
         a["no_context"] = total - a["n"]  # every verbalization empty and no passage: no record
+    round1 = [r for p in sorted(Path(out_dir).glob(f"{ROUND1}/shard-*.jsonl")) for r in read_jsonl(p)]
     out = {"datasets": {name: summary(a) for name, a in sorted(acc.items())},
            "all": summary(sum(acc.values(), Counter())), "params": dataclasses.asdict(params) if params else None}
     out["all"]["round1_truncated"] = sum(r["truncated"] for r in round1)
