@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -118,6 +119,21 @@ def test_dataset_names_and_splits(world):
     for name in EVAL_SETS:
         assert set(datasets[name]) == {"test"}  # validation comes from the training mixture only
         assert len(datasets[name]["test"]) == world.config.eval_test_size
+
+
+def test_a_larger_training_mixture_keeps_the_test_and_validation_questions(world):
+    """Recipes of different sizes are compared on the same validation data: doubling every
+    train split at half the validation fraction redraws only the train splits."""
+    cfg = world.config
+    double = {f"{n}_size": 2 * getattr(cfg, f"{n}_size") for n in TRAIN_SETS}
+    bigger = generate_world(replace(cfg, **double,
+                                    validation_fraction=cfg.validation_fraction / 2)).datasets()
+    for name, splits in world.datasets().items():
+        for split, xs in splits.items():
+            same = [e.question for e in bigger[name][split]] == [e.question for e in xs]
+            assert same == (split != "train"), (name, split)
+            if split == "train":  # ASQA's ambiguous names run out before twice its size
+                assert len(bigger[name][split]) > len(xs)
 
 
 def test_no_question_or_fact_leaks(world):

@@ -82,13 +82,17 @@ class DatasetBuilder:
             "obqa": self.rule_choice, "arc_easy": self.rule_choice,
             "arc_challenge": self.rule_choice, "pubhealth": self.rule_claim,
         }
-        datasets: dict[str, dict[str, list[QAExample]]] = {}
-        for name, splits in split_sizes(self.cfg).items():
-            datasets[name] = {}
-            for split, size in splits.items():
-                drafts = (makers[name](name) for _ in range(size))
-                datasets[name][split] = [replace(d, id=f"{name}-{split}-{i:05d}")
-                                         for i, d in enumerate(x for x in drafts if x)]
+        sizes = split_sizes(self.cfg)
+        datasets: dict[str, dict[str, list[QAExample]]] = {name: {} for name in sizes}
+        # Split by split: test sets, then every validation split, then the train splits, so a
+        # larger training mixture draws the same test and validation questions (recipes of
+        # different sizes are compared on the same validation data).
+        for split in ("test", "validation", "train"):
+            for name, splits in sizes.items():
+                if split in splits:
+                    drafts = (makers[name](name) for _ in range(splits[split]))
+                    datasets[name][split] = [replace(d, id=f"{name}-{split}-{i:05d}")
+                                             for i, d in enumerate(x for x in drafts if x)]
         return {name: datasets[name] for name in (*TRAIN_SETS, *EVAL_SETS)}
 
 
