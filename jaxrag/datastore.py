@@ -1,4 +1,4 @@
-"""`python -m jaxrag.datastore inspect|add|remove|relabel DIR ...`: audit and edit an SR-RAG
+"""`python -m jaxrag.datastore inspect|audit|add|remove|relabel DIR ...`: audit and edit an SR-RAG
 policy datastore. The implementation lives in `jaxrag.retrieval.datastore(_cli)`."""
 
 import sys

@@ -56,6 +56,37 @@ def test_policy_distribution_matches_numpy_knn(datastore):
     np.testing.assert_allclose(label_distribution(np.array([[0, 0, 1, 1, 1]]), 3), [[0.4, 0.6, 0.0]])
 
 
+def test_leave_one_out_audit_equals_numpy(tmp_path, capsys):
+    """Leave-one-out p_D excludes the entry itself (numpy reference on the same keys); the audit
+    scores it per dataset (question-id prefix): neighbours that share a label separate the
+    classes (AUROC 1 on two far-apart clusters), shuffled labels do not."""
+    from sklearn.metrics import roc_auc_score
+
+    keys, labels = hidden_states(120, seed=3)
+    shuffled = np.random.default_rng(4).permutation(labels)
+    ids = [f"{'nq' if i < 60 else 'fever'}-train-{i:05d}" for i in range(120)]
+    y = np.where(np.arange(120) < 60, labels, shuffled)  # nq: labels follow the clusters
+    ds = build_datastore(tmp_path / "ds", keys, np.array(["wiki", "self"])[y], ids, ids, model=MODEL)
+    q = keys / np.linalg.norm(keys, axis=1, keepdims=True)
+    sim = q @ q.T
+    np.fill_diagonal(sim, -np.inf)
+    top = np.argsort(-sim, axis=1, kind="stable")[:, :7]
+    want = (y[top] == 0).mean(1)
+    np.testing.assert_allclose(ds.leave_one_out(7)[:, 0], want, atol=1e-6)
+    assert main(["audit", str(tmp_path / "ds"), "-k", "7", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    nq, fever = table["datasets"]["nq"], table["datasets"]["fever"]
+    wiki = (y == 0).astype(int)
+    assert nq["n"] == fever["n"] == 60 and table["k"] == 7 and table["positive"] == "wiki"
+    assert nq["auroc"] == roc_auc_score(wiki[:60], want[:60]) > 0.95
+    assert fever["auroc"] == roc_auc_score(wiki[60:], want[60:]) < 0.8
+    assert table["all"]["auroc"] == roc_auc_score(wiki, want) and table["all"]["n"] == 120
+    assert nq["share"] == wiki[:60].mean() and 0 < table["all"]["prior_auroc"] < 1
+    assert nq["agreement"] == ((want[:60] > 0.5) == wiki[:60]).mean()  # k odd: no ties
+    assert main(["audit", str(tmp_path / "ds"), "-k", "7"]) == 0
+    assert "nq" in capsys.readouterr().out
+
+
 def test_scann_datastore_agrees_with_exact(tmp_path):
     # Questions of one kind cluster in hidden-state space; each cluster leans to one source.
     rng = np.random.default_rng(2)

@@ -124,6 +124,21 @@ class PolicyDatastore:
         """keys [b, d] -> p_D(<s>|q) [b, len(sources)], columns in `sources` order."""
         return label_distribution(self.search(keys, k).labels, len(self.sources))
 
+    def leave_one_out(self, k: int = DEFAULT_K) -> np.ndarray:
+        """p_D(<s>|q) [n, len(sources)] of every entry from its k nearest *other* entries: how well
+        the datastore predicts its own labels, i.e. whether neighbours in this hidden-state space
+        share a preferred source at all (`python -m jaxrag.datastore audit`)."""
+        if len(self) < 2:
+            raise JaxragError(f"{self.path}: leave-one-out needs at least 2 entries, has {len(self)}")
+        k = min(k, len(self) - 1)
+        found = self.search(self.keys(), k + 1)
+        own = found.rows == np.arange(len(self))[:, None]
+        # drop the entry itself (or, where an exact duplicate outranked it, the farthest neighbour)
+        drop = np.where(own.any(1), own.argmax(1), k)
+        keep = np.ones_like(own)
+        keep[np.arange(len(self)), drop] = False
+        return label_distribution(found.labels[keep].reshape(len(self), k), len(self.sources))
+
     def device_arrays(self) -> tuple[jax.Array, jax.Array]:
         """(keys [n, d], labels [n]) on device, for `knn_policy` inside a jitted decode step."""
         return jnp.asarray(self.keys()), jnp.asarray(self.labels)

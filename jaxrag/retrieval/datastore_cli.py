@@ -1,7 +1,8 @@
-"""`python -m jaxrag.datastore inspect|add|remove|relabel`: audit and edit a policy datastore.
+"""`python -m jaxrag.datastore inspect|audit|add|remove|relabel`: audit and edit a policy datastore.
 
     inspect DIR [--source wiki] [--grep paris] [--limit 20] [--json]
     inspect DIR --neighbours QID [-k 30]     # why would a question like QID route where it does?
+    audit DIR [-k 30] [--json]               # do neighbours share a preferred source? (leave-one-out)
     add DIR --from OTHER_DATASTORE_DIR | keys.npz [--replace]
     remove DIR QID [QID ...] [--ids-file FILE]
     relabel DIR QID [QID ...] --source self
@@ -61,6 +62,51 @@ def _inspect_neighbours(ds: PolicyDatastore, args) -> None:
     print("p_D: " + ", ".join(f"{s} {p:.2f}" for s, p in dist.items()) + f" over k={found.rows.shape[1]}")
     for r, score in zip(found.rows[0], found.scores[0]):
         print(_entry_line(ds.entries[r], f"{score:.3f}\t"))
+
+
+def _group(question_id: str) -> str:
+    """The dataset of a pipeline question id (`nq-train-00012` -> `nq`)."""
+    return question_id.split("-")[0] if "-" in question_id else "(all)"
+
+
+def audit_table(ds: PolicyDatastore, k: int) -> dict:
+    """Leave-one-out p_D of every entry against its own label, per dataset and pooled: AUROC of
+    p_D(positive source) and the share whose neighbours' majority is its own label. Within a
+    dataset, an AUROC near 0.5 says the neighbours carry no more than that dataset's prior (which
+    p_M learns in training as well); pooled, `prior_auroc` scores each entry by its dataset's
+    leave-one-out share alone, for comparison."""
+    from jaxrag.eval.metrics import auroc
+
+    positive = "wiki" if "wiki" in ds.sources else ds.sources[0]
+    p = ds.leave_one_out(k)[:, ds.sources.index(positive)]
+    y = (ds.labels == ds.sources.index(positive)).astype(int)
+    agree = ds.leave_one_out(k).argmax(1) == ds.labels
+    groups = np.array([_group(e.question_id) for e in ds.entries])
+
+    def row(m):
+        return {"n": int(m.sum()), "share": float(y[m].mean()), "auroc": auroc(y[m].tolist(), p[m].tolist()),
+                "agreement": float(agree[m].mean())}
+
+    prior = np.array([(y[groups == g].sum() - y[i]) / max((groups == g).sum() - 1, 1) for i, g in enumerate(groups)])
+    pooled = row(np.ones(len(y), bool)) | {"prior_auroc": auroc(y.tolist(), prior.tolist())}
+    return {"k": min(k, len(ds) - 1), "positive": positive,
+            "datasets": {g: row(groups == g) for g in sorted(set(groups))}, "all": pooled}
+
+
+def audit(args) -> None:
+    ds = PolicyDatastore(args.datastore)
+    table = audit_table(ds, args.k)
+    if args.json:
+        print(json.dumps(table))
+        return
+    _print_summary(ds)
+    pos = table["positive"]
+    print(f"leave-one-out over k={table['k']} neighbours; AUROC of p_D({pos}) for label {pos}:")
+    print(f"{'dataset':<16}{'n':>6}{f'% {pos}':>9}{'AUROC':>8}{'majority = own label':>22}")
+    for name, r in [*table["datasets"].items(), ("all", table["all"])]:
+        print(f"{name:<16}{r['n']:>6}{r['share']:>9.1%}{r['auroc']:>8.3f}{r['agreement']:>22.1%}")
+    print(f"pooled AUROC from each dataset's share alone: {table['all']['prior_auroc']:.3f} "
+          "(nan: one class only)")
 
 
 def _load_additions(path: Path) -> tuple[np.ndarray, list, list, list]:
@@ -124,6 +170,11 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--neighbours", metavar="QID", help="show the k nearest entries of this entry")
     i.add_argument("-k", type=int, default=DEFAULT_K)
     i.set_defaults(func=inspect)
+    u = sub.add_parser("audit", help="leave-one-out: does each entry's neighbourhood predict its label?")
+    u.add_argument("datastore")
+    u.add_argument("-k", type=int, default=DEFAULT_K)
+    u.add_argument("--json", action="store_true", help="the table as one JSON object")
+    u.set_defaults(func=audit)
     a = sub.add_parser("add", help="add entries from another datastore or an .npz")
     a.add_argument("datastore")
     a.add_argument("--from", dest="source_path", required=True)
