@@ -1,0 +1,52 @@
+"""`python -m jaxrag.eval.seeds`: claims pooled over world seeds of one recipe."""
+
+import json
+
+import numpy as np
+from scipy import stats
+
+from jaxrag.eval.seeds import main
+
+
+def write_run(path, seed, diffs, auroc_diff, tau=0.2, rag=0.5):
+    comparisons = {f"srrag - {m}": {"diff": d, "ci95": [d - 0.03, d + 0.03]} for m, d in diffs.items()}
+    results = {"config": {"seed": seed, "world": {"seed": seed}, "inference": {"tau": tau},
+                          "thresholds": {"srrag": tau, "seakr": -seed / 10}},
+               "comparisons": comparisons, "average": {"srrag": {"acc": 0.7, "rag_frac": rag}},
+               "source_selection_comparisons": {"srrag - srrag_no_knn": {"diff": auroc_diff,
+                                                                         "ci95": [auroc_diff - 0.05, auroc_diff + 0.05]}}}
+    path.mkdir()
+    (path / "results.json").write_text(json.dumps(results))
+    return path
+
+
+def test_claims_per_seed_and_pooled_with_a_t_interval(tmp_path, capsys):
+    sel, auroc = [0.10, 0.02, 0.06], [-0.03, 0.04, 0.0]
+    runs = [write_run(tmp_path / f"s{s}", s, {"selective_rag": d, "srrag_always_rag": -0.05}, a, rag=r)
+            for s, d, a, r in zip((0, 1, 7), sel, auroc, (0.5, 0.9, 0.6))]
+    assert main([*map(str, runs), "--json", str(tmp_path / "out.json")]) == 0
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["seeds"] == [0, 1, 7] and out["srrag_retrieval_at_most_80"] == 2
+    c = out["claims"]["SR-RAG - Selective RAG (accuracy)"]
+    # each seed's interval is diff +- 0.03: above the noise where diff > 0.03 (0.10, 0.06)
+    assert (c["above_noise"], c["below_noise"], c["seeds"]) == (2, 0, 3)
+    want = stats.t.interval(0.95, 2, loc=np.mean(sel), scale=stats.sem(sel))
+    np.testing.assert_allclose(c["t95"], want)
+    np.testing.assert_allclose(c["mean"], 0.06)
+    a = out["claims"]["SR-RAG - w/o kNN (AUROC)"]
+    assert (a["above_noise"], a["below_noise"]) == (0, 0) and a["per_seed"]["7"]["diff"] == 0.0
+    always = out["claims"]["SR-RAG - fine-tuned always RAG (accuracy)"]
+    assert (always["above_noise"], always["below_noise"]) == (0, 3)
+    assert "SR-RAG - w/o DPO (accuracy)" not in out["claims"]  # absent from these runs: not shown
+    table = capsys.readouterr().out
+    assert "| SR-RAG - Selective RAG (accuracy) | +0.100 [+0.070, +0.130] |" in table
+
+
+def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
+    a = write_run(tmp_path / "a", 0, {"selective_rag": 0.1}, 0.0)
+    b = write_run(tmp_path / "b", 1, {"selective_rag": 0.1}, 0.0, tau=0.3)
+    assert main([str(a), str(b)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "inference.tau" in err[0] and "thresholds.srrag" in err[0]
+    assert main([str(a), str(tmp_path / "missing")]) == 2
+    assert "missing/results.json" in capsys.readouterr().err
