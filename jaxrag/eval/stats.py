@@ -78,7 +78,8 @@ def paired_auroc_difference(boot: StratifiedBootstrap, paths_a, d_a, paths_b, d_
 
     def draws(paths, d):
         labels = paths.correct[WIKI] > paths.correct[paths.other]
-        point = np.nanmean([auroc(labels[idx], d.score[idx]) for idx in boot.groups.values()])
+        per_set = np.array([auroc(labels[idx], d.score[idx]) for idx in boot.groups.values()])
+        point = np.nan if np.isnan(per_set).all() else np.nanmean(per_set)  # no set with both classes
         return point, boot.statistic(lambda idx: auroc(labels[idx], d.score[idx]))
 
     (pa, da), (pb, db) = draws(paths_a, d_a), draws(paths_b, d_b)
