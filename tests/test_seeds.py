@@ -50,3 +50,5 @@ def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
     assert len(err) == 1 and "inference.tau" in err[0] and "thresholds.srrag" in err[0]
     assert main([str(a), str(tmp_path / "missing")]) == 2
     assert "missing/results.json" in capsys.readouterr().err
+    assert main([str(a), str(a)]) == 2
+    assert "a different world seed" in capsys.readouterr().err

@@ -56,6 +56,9 @@ def load(workdirs: list[Path]) -> dict[str, dict]:
             results[str(w)] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise JaxragError(f"{path}: cannot read a finished run's results ({e})") from None
+    seeds = [r["config"]["seed"] for r in results.values()]
+    if len(set(seeds)) < len(seeds):
+        raise JaxragError(f"seeds {seeds}: each workdir must be a different world seed")
     first, *rest = results
     ref = {k: v for k, v in _flat(results[first]["config"]).items() if not k.startswith(PER_SEED)}
     for w in rest:
@@ -122,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxrag.eval.seeds", description=__doc__.split("\n")[0])
     p.add_argument("workdirs", nargs="+", type=Path, help="finished workdirs of one config, one per world seed")
     p.add_argument("--json", type=Path, help="also write the summary here")
-
     args = p.parse_args(argv)
 
     def run():
