@@ -50,5 +50,6 @@ def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
     assert len(err) == 1 and "inference.tau" in err[0] and "thresholds.srrag" in err[0]
     assert main([str(a), str(tmp_path / "missing")]) == 2
     assert "missing/results.json" in capsys.readouterr().err
-    assert main([str(a), str(a)]) == 2
+    c = write_run(tmp_path / "c", 0, {"selective_rag": 0.2}, 0.0)
+    assert main([str(a), str(c)]) == 2
     assert "a different world seed" in capsys.readouterr().err
