@@ -22,8 +22,6 @@ from jaxrag.errors import JaxragError
 from jaxrag.config import tiny_config
 
 REPO = Path(__file__).parent.parent
-# One worker builds the module's miniature pipeline once (not once per xdist worker).
-pytestmark = pytest.mark.xdist_group("pipeline")
 
 MINI_WORLD = dict(num_persons=60, num_cities=30, num_companies=30, num_bands=20, num_rivers=6,
                   num_event_passages=10, nq_size=20, fever_size=12, obqa_size=8, arc_easy_size=6, wow_size=12,

@@ -5,7 +5,7 @@ Wikipedia paragraphs.
 transformers dequantizes the GGUF to float32 and is the reference throughout. Greedy decoding is
 compared with transformers' teacher-forced argmax (a full forward over prompt + generated
 tokens), not with `generate()`: transformers' cached generation itself departs from its own full
-forward on near-ties. Every test here shares one model, so they run on one xdist worker.
+forward on near-ties. Every test here shares one model (pytest runs with `--dist loadfile`: one worker per module).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from jaxrag.policies import PolicyDecision
 from jaxrag.train import stages
 from real_fixtures import questions, smollm_gguf, wiki_paragraphs
 
-pytestmark = pytest.mark.xdist_group("smollm")
 
 VOCAB = 49_152
 LAYERS = (1, 15, 30)  # first, the datastore layer we use for a 30-layer model, last (after the final norm)
