@@ -1,6 +1,6 @@
 """The README's real-model example (`examples/real_model.py`) end to end: SmolLM2's GGUF converted
-with the SR-RAG tokens, vital-article paragraphs indexed with MiniLM, one routed batch. It builds its own
-model (not test_real_model.py's), so it runs on whichever worker is free."""
+with the SR-RAG tokens, vital-article paragraphs indexed with MiniLM, one routed batch. It builds
+its own model (not test_real_model.py's), so it runs on whichever worker is free."""
 
 from __future__ import annotations
 
