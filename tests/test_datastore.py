@@ -85,6 +85,9 @@ def test_leave_one_out_audit_equals_numpy(tmp_path, capsys):
     assert nq["agreement"] == ((want[:60] > 0.5) == wiki[:60]).mean()  # k odd: no ties
     assert main(["audit", str(tmp_path / "ds"), "-k", "7"]) == 0
     assert "nq" in capsys.readouterr().out
+    one_class = build_datastore(tmp_path / "one", keys[:20], ["self"] * 20, ids[:20], ids[:20], model=MODEL)
+    assert main(["audit", str(one_class.path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["datasets"]["nq"]["auroc"] is None  # strict JSON, no NaN
 
 
 def test_scann_datastore_agrees_with_exact(tmp_path):

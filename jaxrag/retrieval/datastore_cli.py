@@ -83,12 +83,16 @@ def audit_table(ds: PolicyDatastore, k: int) -> dict:
     agree = ds.leave_one_out(k).argmax(1) == ds.labels
     groups = np.array([_group(e.question_id) for e in ds.entries])
 
+    def roc(labels, scores):  # None (JSON null) where a dataset has one class only
+        a = auroc(labels.tolist(), scores.tolist())
+        return None if np.isnan(a) else a
+
     def row(m):
-        return {"n": int(m.sum()), "share": float(y[m].mean()), "auroc": auroc(y[m].tolist(), p[m].tolist()),
+        return {"n": int(m.sum()), "share": float(y[m].mean()), "auroc": roc(y[m], p[m]),
                 "agreement": float(agree[m].mean())}
 
     prior = np.array([(y[groups == g].sum() - y[i]) / max((groups == g).sum() - 1, 1) for i, g in enumerate(groups)])
-    pooled = row(np.ones(len(y), bool)) | {"prior_auroc": auroc(y.tolist(), prior.tolist())}
+    pooled = row(np.ones(len(y), bool)) | {"prior_auroc": roc(y, prior)}
     return {"k": min(k, len(ds) - 1), "positive": positive,
             "datasets": {g: row(groups == g) for g in sorted(set(groups))}, "all": pooled}
 
@@ -103,10 +107,12 @@ def audit(args) -> None:
     pos = table["positive"]
     print(f"leave-one-out over k={table['k']} neighbours; AUROC of p_D({pos}) for label {pos}:")
     print(f"{'dataset':<16}{'n':>6}{f'% {pos}':>9}{'AUROC':>8}{'majority = own label':>22}")
+    def fmt(a):
+        return "–" if a is None else f"{a:.3f}"
+
     for name, r in [*table["datasets"].items(), ("all", table["all"])]:
-        print(f"{name:<16}{r['n']:>6}{r['share']:>9.1%}{r['auroc']:>8.3f}{r['agreement']:>22.1%}")
-    print(f"pooled AUROC from each dataset's share alone: {table['all']['prior_auroc']:.3f} "
-          "(nan: one class only)")
+        print(f"{name:<16}{r['n']:>6}{r['share']:>9.1%}{fmt(r['auroc']):>8}{r['agreement']:>22.1%}")
+    print(f"pooled AUROC from each dataset's share alone: {fmt(table['all']['prior_auroc'])} (–: one class only)")
 
 
 def _load_additions(path: Path) -> tuple[np.ndarray, list, list, list]:
