@@ -78,9 +78,10 @@ def audit_table(ds: PolicyDatastore, k: int) -> dict:
     from jaxrag.eval.metrics import auroc
 
     positive = "wiki" if "wiki" in ds.sources else ds.sources[0]
-    p = ds.leave_one_out(k)[:, ds.sources.index(positive)]
+    p_d = ds.leave_one_out(k)
+    p = p_d[:, ds.sources.index(positive)]
     y = (ds.labels == ds.sources.index(positive)).astype(int)
-    agree = ds.leave_one_out(k).argmax(1) == ds.labels
+    agree = p_d.argmax(1) == ds.labels
     groups = np.array([_group(e.question_id) for e in ds.entries])
 
     def roc(labels, scores):  # None (JSON null) where a dataset has one class only
@@ -107,12 +108,14 @@ def audit(args) -> None:
     pos = table["positive"]
     print(f"leave-one-out over k={table['k']} neighbours; AUROC of p_D({pos}) for label {pos}:")
     print(f"{'dataset':<16}{'n':>6}{f'% {pos}':>9}{'AUROC':>8}{'majority = own label':>22}")
-    def fmt(a):
-        return "–" if a is None else f"{a:.3f}"
-
     for name, r in [*table["datasets"].items(), ("all", table["all"])]:
-        print(f"{name:<16}{r['n']:>6}{r['share']:>9.1%}{fmt(r['auroc']):>8}{r['agreement']:>22.1%}")
-    print(f"pooled AUROC from each dataset's share alone: {fmt(table['all']['prior_auroc'])} (–: one class only)")
+        print(f"{name:<16}{r['n']:>6}{r['share']:>9.1%}{_auroc_cell(r['auroc']):>8}{r['agreement']:>22.1%}")
+    print(f"pooled AUROC from each dataset's share alone: {_auroc_cell(table['all']['prior_auroc'])} "
+          "(–: one class only)")
+
+
+def _auroc_cell(a: float | None) -> str:
+    return "–" if a is None else f"{a:.3f}"
 
 
 def _load_additions(path: Path) -> tuple[np.ndarray, list, list, list]:
