@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxrag.cli import exit_code
+from jaxrag.config_check import flatten, under
 from jaxrag.errors import JaxragError
 
 # (label, results.json section, key): the paper's claims first, then the ablations.
@@ -34,17 +35,7 @@ CLAIMS = (
 # Fields that may differ between seeds of one recipe (the world follows `seed`; SeaKR's threshold
 # is fitted on each run's training data); the rest must agree.
 PER_SEED = ("seed", "world.seed", "data_counts", "n_validation", "n_test", "n_latency", "pipeline",
-            "thresholds.seakr")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+            "thresholds.seakr", "thresholds.seakr_fitted_on_training")
 
 
 def load(workdirs: list[Path]) -> dict[str, dict]:
@@ -59,10 +50,14 @@ def load(workdirs: list[Path]) -> dict[str, dict]:
     seeds = [r["config"]["seed"] for r in results.values()]
     if len(set(seeds)) < len(seeds):
         raise JaxragError(f"seeds {seeds}: each workdir must be a different world seed")
+
+    def recipe(w: str) -> dict:
+        return {k: v for k, v in flatten(results[w]["config"]).items() if not any(under(k, p) for p in PER_SEED)}
+
     first, *rest = results
-    ref = {k: v for k, v in _flat(results[first]["config"]).items() if not k.startswith(PER_SEED)}
+    ref = recipe(first)
     for w in rest:
-        got = {k: v for k, v in _flat(results[w]["config"]).items() if not k.startswith(PER_SEED)}
+        got = recipe(w)
         diff = sorted(k for k in ref.keys() | got.keys() if ref.get(k) != got.get(k))
         if diff:
             raise JaxragError(f"{w}/results.json: config differs from {first}'s beyond the seed in "
