@@ -270,6 +270,10 @@ def check_config(cfg: ConfigDict, explicit: Iterable[str] = ()) -> None:
     problems = [f"{name} is set, but {why}" for prefix, why in rules.items()
                 for name in sorted(user) if under(name, prefix) and not (name == "world.seed" and not embedded
                                                                          and flat.get("seed") == flat[name])]
+    layers = cfg.model.arch.get("num_hidden_layers") if embedded else None
+    if layers and not 1 <= cfg.model.datastore_layer <= layers:
+        problems.append(f"model.datastore_layer={cfg.model.datastore_layer}: the model has {layers} layers "
+                        f"(model.arch.num_hidden_layers); choose 1-{layers}")
     if not embedded:
         used = set(cfg.data.train) | set(cfg.data.eval)
         problems += [f"data.paths.{n} is set, but {n} is in neither data.train nor data.eval; drop it or add {n} "

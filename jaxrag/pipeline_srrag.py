@@ -20,6 +20,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxrag.data.schema import QAExample, read_examples
+from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import NONE, SELF, WIKI
 from jaxrag.train.stages import FINAL
 
@@ -173,6 +174,10 @@ def build_policy_datastore(cfg: ConfigDict, model_dir: Path, records: list[dict]
     from jaxrag.retrieval.datastore import build_datastore
 
     model = load(cfg, model_dir)
+    layers = model.decoder.cfg.num_layers
+    if not 1 <= int(cfg.model.datastore_layer) <= layers:
+        raise JaxragError(f"model.datastore_layer={cfg.model.datastore_layer}: {model_dir} has {layers} layers; "
+                          f"choose 1-{layers}")
     keys, values = preferred_sources(model, records, cfg)
     build_datastore(out, keys, values, [r["id"] for r in records], [r["question"] for r in records],
                     model=str(model_dir), sources=tuple(model.sources), overwrite=True)

@@ -36,6 +36,7 @@ def train_cli(tmp_path, config: str, *overrides: str) -> subprocess.CompletedPro
     ("configs/qwen.py", ["--config.data.paths.popqa=/missing/popqa.jsonl"], "data.paths.popqa=/missing/popqa.jsonl: no such file"),
     ("configs/qwen.py", ["--config.world.seed=3"], "world.seed does not exist; did you mean seed?"),
     ("configs/qwen.py:tiny", ["--config.pipeline.rerun_from=stage9"], "rerun_from='stage9': not a stage"),
+    ("configs/qwen.py:tiny", ["--config.model.datastore_layer=5"], "model.datastore_layer=5: the model has 4 layers"),
     ("configs/qwen.py:tiny", ["--workdri=x"], "Unknown command line flag 'workdri'"),
 ])
 def test_each_config_mistake_is_one_line_and_exit_2(tmp_path, config, overrides, says):

@@ -34,6 +34,7 @@ def mini_config():
     cfg.world.update(MINI_WORLD)
     cfg.model.arch.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                           num_key_value_heads=1)
+    cfg.model.datastore_layer = 2  # its last layer, as the tiny config's
     cfg.model.max_length = 160
     cfg.pretrain.update(steps=3, batch_size=4, checkpoint_every=2)
     cfg.world_probe.update(questions=3, reading_questions=4)  # a 3-step model cannot read: 2 attempts
@@ -147,6 +148,17 @@ def test_export_is_the_final_model_in_transformers(workdir):
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(np.asarray(base.logits([ids])), want, atol=1e-4)
+
+
+def test_a_datastore_layer_beyond_the_model_is_refused_before_anything_is_written(workdir, tmp_path):
+    """A real model's layer count is only known from its checkpoint: the datastore stage checks it."""
+    from jaxrag.pipeline_srrag import build_policy_datastore
+
+    cfg = mini_config()
+    cfg.model.datastore_layer = 3
+    with pytest.raises(JaxragError, match="model.datastore_layer=3: .* has 2 layers; choose 1-2"):
+        build_policy_datastore(cfg, workdir / "stage2" / "model", [], tmp_path / "datastore")
+    assert not (tmp_path / "datastore").exists()
 
 
 def statuses(out: str) -> list[str]:

@@ -66,11 +66,11 @@ def test_an_unchanged_config_skips_everything_and_an_eval_only_change_redoes_eva
     cfg = tiny_config("qwen2")
     done = finished(tmp_path, cfg)
     assert set(actions(P.plan(cfg, tmp_path, NAMES, done, True)).values()) == {"skip"}
-    cfg.inference.tau = 0.5
+    old, cfg.inference.tau = cfg.inference.tau, 0.5
     steps = P.plan(cfg, tmp_path, NAMES, done, True)
     assert [n for n, a in actions(steps).items() if a != "skip"] == ["eval", "export"]
-    assert steps[-2].why == ["inference.tau 0.2 → 0.5"]
-    assert steps[-1].why == ["inference.tau 0.2 → 0.5", "eval was rebuilt since"]
+    assert steps[-2].why == [f"inference.tau {old} → 0.5"]
+    assert steps[-1].why == [f"inference.tau {old} → 0.5", "eval was rebuilt since"]
 
 
 def test_a_changed_training_field_stops_with_the_stage_and_the_difference(tmp_path):
