@@ -229,11 +229,11 @@ def test_an_eval_only_change_redoes_eval_and_export_only(workdir, tmp_path, caps
     earlier = ["world", "base", "index", "construct", "stage1", "stage2", "datastore", "baselines"]
     before = file_digests(w, earlier)
     cfg = mini_config()
-    cfg.inference.tau = 0.5
+    old, cfg.inference.tau = cfg.inference.tau, 0.5
     pipeline.run(cfg, w)
     out = capsys.readouterr().out
     assert statuses(out) == ["done"] * 8 + ["running"] * 2
-    assert "eval: running (inputs changed: inference.tau 0.2 → 0.5)" in out
+    assert f"eval: running (inputs changed: inference.tau {old} → 0.5)" in out
     assert file_digests(w, earlier) == before
     results = json.loads((w / "results.json").read_text())
     assert results["config"]["inference"]["tau"] == 0.5 == results["config"]["thresholds"]["srrag"]
