@@ -1,6 +1,7 @@
 """`python -m jaxrag.eval.seeds`: claims pooled over world seeds of one recipe."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 from scipy import stats
@@ -24,7 +25,8 @@ def test_claims_per_seed_and_pooled_with_a_t_interval(tmp_path, capsys):
     sel, auroc = [0.10, 0.02, 0.06], [-0.03, 0.04, 0.0]
     runs = [write_run(tmp_path / f"s{s}", s, {"selective_rag": d, "srrag_always_rag": -0.05}, a, rag=r)
             for s, d, a, r in zip((0, 1, 7), sel, auroc, (0.5, 0.9, 0.6))]
-    assert main([*map(str, runs), "--json", str(tmp_path / "out.json")]) == 0
+    # a workdir or its results.json (as kept in results/embedded/) read the same
+    assert main([str(runs[0] / "results.json"), *map(str, runs[1:]), "--json", str(tmp_path / "out.json")]) == 0
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["seeds"] == [0, 1, 7] and out["srrag_retrieval_at_most_80"] == 2
     c = out["claims"]["SR-RAG - Selective RAG (accuracy)"]
@@ -53,3 +55,23 @@ def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
     c = write_run(tmp_path / "c", 0, {"selective_rag": 0.2}, 0.0)
     assert main([str(a), str(c)]) == 2
     assert "a different world seed" in capsys.readouterr().err
+
+
+KEPT = Path(__file__).parent.parent / "results" / "embedded" / "last-layer-k10"
+
+
+def test_kept_runs_are_the_current_tiny_recipe(capsys):
+    """The README's pooled table is recomputable from results/embedded/, and those runs are of the
+    tiny config as it stands: a recipe change must rerun them into a new folder."""
+    from jaxrag.config import get_config_for
+    from jaxrag.config_check import flatten, under
+    from jaxrag.eval.seeds import PER_SEED
+
+    runs = sorted(KEPT.glob("seed*"))
+    assert len(runs) >= 2 and main([*map(str, runs)]) == 0
+    assert "SR-RAG - w/o kNN (AUROC)" in capsys.readouterr().out
+    want = {k: v for k, v in flatten(get_config_for("qwen2", "tiny").to_dict()).items()
+            if not any(under(k, p) for p in PER_SEED)}
+    for run in runs:
+        got = flatten(json.loads((run / "results.json").read_text())["config"])
+        assert {k: got.get(k) for k in want} == want, run

@@ -2,6 +2,9 @@
 
     python -m jaxrag.eval.seeds W [W ...] [--json OUT]
 
+Each W is a finished workdir or a `results.json` itself (the README's runs are kept in
+`results/embedded/`, so its pooled tables can be recomputed without the workdirs).
+
 One pipeline's bootstrap intervals resample its test questions, not its training, and retraining
 moves the numbers by more than those intervals. So a claim is judged over world seeds of one
 config (the workdirs must differ in `seed` only): per seed the paired difference and its 95%
@@ -39,17 +42,17 @@ PER_SEED = ("seed", "world.seed", "data_counts", "n_validation", "n_test", "n_la
 
 
 def load(workdirs: list[Path]) -> dict[str, dict]:
-    """workdir -> results.json; refuses workdirs whose configs differ beyond the seed."""
+    """workdir (or results.json) -> results.json; refuses runs whose configs differ beyond the seed."""
     results = {}
     for w in workdirs:
-        path = Path(w) / "results.json"
+        path = Path(w) if Path(w).suffix == ".json" else Path(w) / "results.json"
         try:
             results[str(w)] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise JaxragError(f"{path}: cannot read a finished run's results ({e})") from None
     seeds = [r["config"]["seed"] for r in results.values()]
     if len(set(seeds)) < len(seeds):
-        raise JaxragError(f"seeds {seeds}: each workdir must be a different world seed")
+        raise JaxragError(f"seeds {seeds}: each run must be a different world seed")
 
     def recipe(w: str) -> dict:
         return {k: v for k, v in flatten(results[w]["config"]).items() if not any(under(k, p) for p in PER_SEED)}
@@ -118,7 +121,7 @@ def table(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxrag.eval.seeds", description=__doc__.split("\n")[0])
-    p.add_argument("workdirs", nargs="+", type=Path, help="finished workdirs of one config, one per world seed")
+    p.add_argument("workdirs", nargs="+", type=Path, help="finished workdirs (or their results.json) of one config, one per world seed")
     p.add_argument("--json", type=Path, help="also write the summary here")
     args = p.parse_args(argv)
 
