@@ -121,7 +121,8 @@ def table(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxrag.eval.seeds", description=__doc__.split("\n")[0])
-    p.add_argument("workdirs", nargs="+", type=Path, help="finished workdirs (or their results.json) of one config, one per world seed")
+    p.add_argument("workdirs", nargs="+", type=Path,
+                   help="finished workdirs (or their results.json) of one config, one per world seed")
     p.add_argument("--json", type=Path, help="also write the summary here")
     args = p.parse_args(argv)
 
