@@ -64,14 +64,12 @@ def test_kept_runs_are_the_current_tiny_recipe(capsys):
     """The README's pooled table is recomputable from results/embedded/, and those runs are of the
     tiny config as it stands: a recipe change must rerun them into a new folder."""
     from jaxrag.config import get_config_for
-    from jaxrag.config_check import flatten, under
-    from jaxrag.eval.seeds import PER_SEED
+    from jaxrag.eval.seeds import recipe
 
     runs = sorted(KEPT.glob("seed*"))
     assert len(runs) >= 2 and main([*map(str, runs)]) == 0
     assert "SR-RAG - w/o kNN (AUROC)" in capsys.readouterr().out
-    want = {k: v for k, v in flatten(get_config_for("qwen2", "tiny").to_dict()).items()
-            if not any(under(k, p) for p in PER_SEED)}
+    want = recipe(get_config_for("qwen2", "tiny").to_dict())
     for run in runs:
-        got = flatten(json.loads((run / "results.json").read_text())["config"])
+        got = recipe(json.loads((run / "results.json").read_text())["config"])
         assert {k: got.get(k) for k in want} == want, run

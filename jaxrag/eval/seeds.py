@@ -41,29 +41,32 @@ PER_SEED = ("seed", "world.seed", "data_counts", "n_validation", "n_test", "n_la
             "thresholds.seakr", "thresholds.seakr_fitted_on_training")
 
 
+def recipe(config: dict) -> dict:
+    """A run's config without the fields that may differ between seeds of one recipe (flattened)."""
+    return {k: v for k, v in flatten(config).items() if not any(under(k, p) for p in PER_SEED)}
+
+
 def load(workdirs: list[Path]) -> dict[str, dict]:
-    """workdir (or results.json) -> results.json; refuses runs whose configs differ beyond the seed."""
+    """results.json path -> its content, for workdirs or results.json files; refuses runs whose
+    configs differ beyond the seed."""
     results = {}
-    for w in workdirs:
-        path = Path(w) if Path(w).suffix == ".json" else Path(w) / "results.json"
+    for w in map(Path, workdirs):
+        path = w if w.suffix == ".json" else w / "results.json"
         try:
-            results[str(w)] = json.loads(path.read_text())
+            results[str(path)] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise JaxragError(f"{path}: cannot read a finished run's results ({e})") from None
     seeds = [r["config"]["seed"] for r in results.values()]
     if len(set(seeds)) < len(seeds):
         raise JaxragError(f"seeds {seeds}: each run must be a different world seed")
 
-    def recipe(w: str) -> dict:
-        return {k: v for k, v in flatten(results[w]["config"]).items() if not any(under(k, p) for p in PER_SEED)}
-
     first, *rest = results
-    ref = recipe(first)
+    ref = recipe(results[first]["config"])
     for w in rest:
-        got = recipe(w)
+        got = recipe(results[w]["config"])
         diff = sorted(k for k in ref.keys() | got.keys() if ref.get(k) != got.get(k))
         if diff:
-            raise JaxragError(f"{w}/results.json: config differs from {first}'s beyond the seed in "
+            raise JaxragError(f"{w}: config differs from {first} beyond the seed in "
                               f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''}; compare seeds of one recipe")
     return results
 
