@@ -10,14 +10,17 @@ path independent of the other rows, so this equals routing every question once p
 re-decoding the same path twelve times. A policy's own compute (SeaKR's samples, IK's 32 tokens) is
 timed and added to its latency, as T_d. Retrieval, too, runs once per question (`RetrievalCache`,
 as FlashRAG's retrieval cache) and its measured time is charged as T_r on every Wiki path.
+Every timed batch excludes compilation (`without_compiles`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -31,6 +34,26 @@ from jaxrag.policies import Policy, PolicyInputs, always
 from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text
 
 Item = tuple[str, QAExample]  # (dataset name, example)
+T = TypeVar("T")
+_COMPILES = [0]  # JAX trace / lower / compile events so far in this process
+
+
+def _count_compiles(event: str, duration: float, **kwargs) -> None:
+    if event.startswith("/jax/core/compile/"):
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def without_compiles(run: Callable[[], T]) -> T:
+    """`run()`, run again when JAX traced or compiled anything during it, and the second result
+    kept: a batch shape seen for the first time would otherwise charge its compilation (seconds
+    on a CPU, once per shape and model) to the items of that batch as latency. `run` must be
+    repeatable: same inputs, same outputs (greedy decoding, fixed keys), no side effects."""
+    before = _COMPILES[0]
+    out = run()
+    return run() if _COMPILES[0] != before else out
 
 
 @dataclasses.dataclass
@@ -70,9 +93,8 @@ class RetrievalCache:
         unique = list(dict.fromkeys(questions))
         for start in _batches(len(unique), batch_size, "retrieve"):
             qs = unique[start:start + batch_size]
-            t0 = time.perf_counter()
-            found = retrieve(qs)
-            each = (time.perf_counter() - t0) / len(qs)
+            found, seconds = without_compiles(lambda qs=qs: _timed(retrieve, qs))
+            each = seconds / len(qs)
             self.passages.update(zip(qs, found))
             self.seconds.update(dict.fromkeys(qs, each))
 
@@ -97,11 +119,15 @@ def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, 
     for source in model.sources:
         scores, times, texts = [], [], []
         for start in _batches(len(items), batch_size, f"{desc} [{source}]"):
-            def forced(inputs: PolicyInputs, record=source == model.sources[0], source=source):
-                if record:
-                    seen.append(inputs)
-                return always(source)(inputs)
-            routed = route(model, questions[start:start + batch_size], forced, retrieve, cfg)
+            def run(start=start, source=source):
+                inputs = []  # what the router saw, from the kept run only
+                def forced(x: PolicyInputs):
+                    inputs.append(x)
+                    return always(source)(x)
+                return route(model, questions[start:start + batch_size], forced, retrieve, cfg), inputs
+            routed, batch_inputs = without_compiles(run)
+            if source == model.sources[0]:
+                seen += batch_inputs
             for (name, ex), r in zip(items[start:start + batch_size], routed):
                 scores.append(score_prediction(name, r.answer, ex))
                 # T_r measured the cache lookup; charge the retrieval's own time instead
@@ -114,13 +140,20 @@ def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, 
     return Paths(items, tuple(model.sources), correct, latency, answers, inputs)
 
 
+def _timed(fn: Callable[..., T], *args) -> tuple[T, float]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
 def _timed_generate(model: Model, prompts: list[str], max_new: int) -> tuple[list[str], float]:
     tok = model.tokenizer
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
-    start = time.perf_counter()
-    out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos)
-    texts = [tok.decode(o, skip_special_tokens=True).strip() for o in out]
-    return texts, time.perf_counter() - start
+
+    def run():
+        out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos)
+        return [tok.decode(o, skip_special_tokens=True).strip() for o in out]
+    return without_compiles(lambda: _timed(run))
 
 
 def untuned_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, cfg: RouteConfig,
@@ -165,10 +198,10 @@ def decide(policy: Policy, paths: Paths, batch_size: int) -> Decision:
     inputs, out, scores, seconds = paths.inputs, [], [], []
     for start in range(0, len(inputs.questions), batch_size):
         sl = slice(start, start + batch_size)
-        t0 = time.perf_counter()
-        d = policy(PolicyInputs(inputs.questions[sl], inputs.sources, inputs.p_model[sl], inputs.hidden[sl]))
+        batch = PolicyInputs(inputs.questions[sl], inputs.sources, inputs.p_model[sl], inputs.hidden[sl])
+        d, t = without_compiles(lambda batch=batch: _timed(policy, batch))
         n = len(inputs.questions[sl])
-        seconds += [(time.perf_counter() - t0) / n] * n
+        seconds += [t / n] * n
         out.append(np.asarray(d.source) == inputs.sources.index(WIKI))
         scores.append(np.asarray(d.score, np.float64) if d.score is not None else np.full(n, np.nan))
     score = np.concatenate(scores)

@@ -5,7 +5,9 @@ A method's questions are routed for real: `route()` with the method's own policy
 time is shared by the rows in it (`route`): T_d (prefill + the policy's own compute, e.g. SeaKR's
 samples) by all rows, T_v by the rows that verbalize, T_r by the rows that retrieve, T_g by all;
 an item's latency is T_d + (T_v or T_r) + T_g. So a batch whose one verbalization is long costs
-its verbalizing rows that long, and nothing here is linear in % retrieval by construction.
+its verbalizing rows that long, and nothing here is linear in % retrieval by construction. A batch
+during which JAX compiled anything (a shape, or a policy's own program, seen for the first time)
+is routed again and the second run kept (`harness.without_compiles`): compilation is not latency.
 
 Accuracy keeps coming from the decode-once harness (exact for greedy decoding); the routed
 answers are checked against it (`agreement`).
@@ -19,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrag.decode.routing import RouteConfig, Routed, route
-from jaxrag.eval.harness import Decision, Item, Paths, questions_of
+from jaxrag.eval.harness import Decision, Item, Paths, questions_of, without_compiles
 from jaxrag.eval.metrics import score_prediction
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import WIKI
@@ -52,7 +54,8 @@ def route_items(model: Model, items: Sequence[Item], policy: Policy, retrieve: C
         idx = [i for i, n in enumerate(names) if n == name]
         batches += [idx[s:s + batch_size] for s in range(0, len(idx), batch_size)]
     for batch in tqdm(batches, desc=desc, unit="batch", leave=False):
-        for i, r in zip(batch, route(model, [questions[i] for i in batch], policy, retrieve, cfg)):
+        routed = without_compiles(lambda batch=batch: route(model, [questions[i] for i in batch], policy, retrieve, cfg))
+        for i, r in zip(batch, routed):
             out[i] = r
     return out
 

@@ -91,7 +91,6 @@ class Evaluation:
         self.thresholds: dict[str, float] = {}
         self.correct: dict[str, np.ndarray] = {}
         self.decisions: dict[str, tuple[Paths, Decision]] = {}
-        self.warmed: set[str] = set()  # models whose routed latency batches have been compiled
 
     def score_policy(self, rule: str, neighbours):
         """threshold t -> a Policy retrieving iff its score > t (the rules with a threshold)."""
@@ -140,9 +139,6 @@ class Evaluation:
     def measured(self, m: Method, model, policy, test: Paths, d: Decision, retrieve, idx: np.ndarray) -> None:
         """Mixed decisions: latency from real routed batches on the latency questions."""
         items = [test.items[i] for i in idx]
-        if m.model not in self.warmed:  # compile this model's batch shapes untimed: latency is not compile time
-            latency.route_items(model, items, policy, retrieve, route_config(self.cfg), self.bs, f"{m.model} warm-up")
-            self.warmed.add(m.model)
         routed = latency.route_items(model, items, policy, retrieve, route_config(self.cfg), self.bs,
                                      f"{m.name} latency")
         s = {**latency.summarize(items, routed), **latency.agreement(routed, idx, test, d)}
