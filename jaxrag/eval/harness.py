@@ -120,11 +120,11 @@ def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, 
         scores, times, texts = [], [], []
         for start in _batches(len(items), batch_size, f"{desc} [{source}]"):
             def run(start=start, source=source):
-                inputs = []  # what the router saw, from the kept run only
+                recorded = []  # what the router saw, from the kept run only
                 def forced(x: PolicyInputs):
-                    inputs.append(x)
+                    recorded.append(x)
                     return always(source)(x)
-                return route(model, questions[start:start + batch_size], forced, retrieve, cfg), inputs
+                return route(model, questions[start:start + batch_size], forced, retrieve, cfg), recorded
             routed, batch_inputs = without_compiles(run)
             if source == model.sources[0]:
                 seen += batch_inputs
