@@ -55,7 +55,8 @@ class Routed:
     latency: dict[str, float]  # T_d, T_v | T_r, T_g in seconds (batch phase time / rows sharing it)
 
 
-def _timed(fn):
+def timed(fn):
+    """(fn(), its seconds, device work included)."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn())
     return out, time.perf_counter() - start
@@ -101,7 +102,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         ids, mask = left_pad(prompts, plen, batch)
         return extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh), hidden_layer=cfg.hidden_layer)
 
-    (state, hidden), t_d = _timed(select)
+    (state, hidden), t_d = timed(select)
     p_src = np.asarray(jax.nn.softmax(state.logits[:n][:, np.asarray(src_ids)], axis=-1), np.float64)
     start = time.perf_counter()
     decision = policy(PolicyInputs(list(questions), sources, p_src, np.asarray(hidden[:n])))
@@ -117,7 +118,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         return decode(dec, st, on_mesh(stop_matrix([[eok, *eos]] * n, batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
 
-    (state, verbal, verbal_len, verbal_stopped), t_v = _timed(verbalize)
+    (state, verbal, verbal_len, verbal_stopped), t_v = timed(verbalize)
     verbal, verbal_len, verbal_stopped = map(np.asarray, (verbal, verbal_len, verbal_stopped))
     has_eok = [bool(verbal_stopped[i]) and verbal[i, verbal_len[i] - 1] == eok for i in range(n)]
 
@@ -146,7 +147,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         return decode(dec, st, on_mesh(stop_matrix([eos] * n, batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 1), max_new=alen, sampling=cfg.sampling)
 
-    (_, answers, answer_len, _), t_g = _timed(answer_phase)
+    (_, answers, answer_len, _), t_g = timed(answer_phase)
     answers, answer_len = np.asarray(answers), np.asarray(answer_len)
 
     out = []

@@ -16,7 +16,6 @@ Every timed batch excludes compilation (`without_compiles`).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -25,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrag.data.schema import QAExample
-from jaxrag.decode.routing import Retrieve, RouteConfig, route
+from jaxrag.decode.routing import Retrieve, RouteConfig, route, timed
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import auroc, score_prediction, source_selection_accuracy
 from jaxrag.models.model import Model
@@ -93,7 +92,7 @@ class RetrievalCache:
         unique = list(dict.fromkeys(questions))
         for start in _batches(len(unique), batch_size, "retrieve"):
             qs = unique[start:start + batch_size]
-            found, seconds = without_compiles(lambda qs=qs: _timed(retrieve, qs))
+            found, seconds = without_compiles(lambda qs=qs: timed(lambda: retrieve(qs)))
             each = seconds / len(qs)
             self.passages.update(zip(qs, found))
             self.seconds.update(dict.fromkeys(qs, each))
@@ -140,12 +139,6 @@ def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, 
     return Paths(items, tuple(model.sources), correct, latency, answers, inputs)
 
 
-def _timed(fn: Callable[..., T], *args) -> tuple[T, float]:
-    start = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - start
-
-
 def _timed_generate(model: Model, prompts: list[str], max_new: int) -> tuple[list[str], float]:
     tok = model.tokenizer
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
@@ -153,7 +146,7 @@ def _timed_generate(model: Model, prompts: list[str], max_new: int) -> tuple[lis
     def run():
         out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos)
         return [tok.decode(o, skip_special_tokens=True).strip() for o in out]
-    return without_compiles(lambda: _timed(run))
+    return without_compiles(lambda: timed(run))
 
 
 def untuned_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, cfg: RouteConfig,
@@ -199,7 +192,7 @@ def decide(policy: Policy, paths: Paths, batch_size: int) -> Decision:
     for start in range(0, len(inputs.questions), batch_size):
         sl = slice(start, start + batch_size)
         batch = PolicyInputs(inputs.questions[sl], inputs.sources, inputs.p_model[sl], inputs.hidden[sl])
-        d, t = without_compiles(lambda batch=batch: _timed(policy, batch))
+        d, t = without_compiles(lambda batch=batch: timed(lambda: policy(batch)))
         n = len(inputs.questions[sl])
         seconds += [t / n] * n
         out.append(np.asarray(d.source) == inputs.sources.index(WIKI))
