@@ -2,6 +2,7 @@
 jaxrag.train`); a field the chosen mode does not read is refused when the user set it, never when
 it is a default; overrides keep their field's type."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,36 @@ def test_the_python_api_refuses_the_same_mistakes(tmp_path):
     with pytest.raises(JaxragError, match="stage1.learnign_rate does not exist; did you mean stage1.lr"):
         pipeline.run(cfg, tmp_path / "w")
     assert not (tmp_path / "w").exists()
+
+
+_FAULTS = """
+import resource, sys
+from jaxrag.cli import reuse_cpu_temporaries
+print(reuse_cpu_temporaries() if sys.argv[1] == "tune" else False)
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x: (lambda y: (y @ y[:8].T).sum())(jnp.exp(x)))  # y: a 64 MB temporary
+x = jnp.ones((2048, 8192))
+f(x).block_until_ready()
+faulted = 0
+for _ in range(30):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    f(x).block_until_ready()
+    faulted += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before > (32 << 20) // 4096
+print(faulted)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_cpu_temporaries_are_reused_not_faulted_in_per_call():
+    """The kernel's own page-fault count: untuned, every call maps its 64 MB temporary afresh
+    (>= half of its 4 KB pages faulted in); after `reuse_cpu_temporaries` the freed block is
+    reused (a call may still grow the heap while an earlier one's block is in use)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = {mode: subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True,
+                                cwd=REPO, env=env, timeout=120, check=True).stdout.split() for mode in ("tune", "plain")}
+    assert out["tune"][0] == "True" and out["plain"][0] == "False"
+    assert int(out["plain"][1]) == 30
+    assert int(out["tune"][1]) <= 10
+    cuda = subprocess.run([sys.executable, "-c", "from jaxrag.cli import reuse_cpu_temporaries as r; print(r())"],
+                          capture_output=True, text=True, cwd=REPO, env=env | {"JAX_PLATFORMS": "cuda"}, check=True)
+    assert cuda.stdout.split() == ["False"]  # an accelerator's host is left alone

@@ -8,8 +8,9 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxrag.cli import ConfigFlag, run
+from jaxrag.cli import ConfigFlag, reuse_cpu_temporaries, run
 
+reuse_cpu_temporaries()  # before jax is imported
 _CONFIG = ConfigFlag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (stages are cached here)")
 flags.mark_flags_as_required(["workdir"])
