@@ -27,11 +27,7 @@ def reuse_cpu_temporaries() -> bool:
     jax is imported (threads keep the arena they first used). Skipped where an accelerator
     plugin is installed (its host side does not need it, and a never-trimmed heap would hold
     on to the host copies of a 7B checkpoint) and off glibc."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    accelerator = (platforms and platforms != "cpu") or (not platforms and (
-        entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
-        or importlib.util.find_spec("libtpu")))
-    if accelerator or "jax" in sys.modules:
+    if "jax" in sys.modules or not _jax_runs_on_cpu():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
@@ -39,6 +35,14 @@ def reuse_cpu_temporaries() -> bool:
         return False
     return all(mallopt(param, value) == 1 for param, value in
                ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+
+
+def _jax_runs_on_cpu() -> bool:
+    """JAX_PLATFORMS when set; else no accelerator plugin (CUDA / ROCm via `jax_plugins`, TPU)."""
+    if platforms := os.environ.get("JAX_PLATFORMS"):
+        return platforms == "cpu"
+    return not (entry_points(group="jax_plugins") or importlib.util.find_spec("jax_plugins")
+                or importlib.util.find_spec("libtpu"))
 
 
 def exit_code(main: Callable[[], object]) -> int:
