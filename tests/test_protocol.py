@@ -230,6 +230,21 @@ def test_fast_auroc_equals_sklearn():
     assert np.isnan(stats.auroc(np.ones(3, bool), np.arange(3.0)))
 
 
+def test_bootstrap_auroc_equals_the_auroc_of_each_resample():
+    rng = np.random.default_rng(2)
+    names = ["a"] * 40 + ["b"] * 25 + ["c"] * 6  # c: one class only, never in the mean
+    labels = np.r_[rng.random(40) < 0.3, rng.random(25) < 0.6, np.ones(6, bool)]
+    scores = np.round(rng.random(71), 1)  # ties
+    boot = stats.StratifiedBootstrap(names, 300, seed=3)
+    ref = []
+    for draw in range(300):
+        per = [roc_auc_score(labels[d[draw]], scores[d[draw]]) if len(set(labels[d[draw]])) == 2 else np.nan
+               for d in boot.draws.values()]
+        ref.append(np.nanmean(per))
+    assert boot.auroc(labels, scores) == pytest.approx(np.array(ref), abs=1e-12)
+    assert np.isnan(stats.StratifiedBootstrap(["c"] * 6, 10).auroc(np.ones(6, bool), scores[:6])).all()
+
+
 def test_tau_curves_average_datasets_then_workdirs_and_ties_go_to_less_retrieval():
     from jaxrag.eval import tau
 
