@@ -20,6 +20,7 @@ import transformers
 from flax import nnx
 from ml_collections import ConfigDict
 
+from jaxrag import lanes
 from jaxrag.errors import JaxragError
 from jaxrag.pipeline_srrag import dataset_items, is_embedded
 
@@ -217,16 +218,20 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
         stages, names = stages[: names.index(stop_after) + 1], names[: names.index(stop_after) + 1]
     done = {name: workdir.is_dir() and is_done(workdir) for name, _, is_done in stages}
     steps = provenance.plan(cfg, workdir, names, done, is_embedded(cfg), cfg.pipeline.get("rerun_from", ""))
+    workers = _workers(cfg)
     workdir.mkdir(parents=True, exist_ok=True)
-    artifacts, leader = {}, _is_leader()
-    for i, ((name, stage, _), step) in enumerate(zip(stages, steps), 1):
+    leader = _is_leader()
+
+    def stage_task(i: int, name: str, stage, step):
         head = f"[{i}/{len(stages)}] {name}:"
-        if step.action in ("skip", "adopt"):
-            if leader and step.action == "adopt":
-                provenance.write_record(workdir, step.record)
-            print(f"{head} done" + (" (made before inputs were recorded; trusted, as rerun_from is later)"
-                                    if step.action == "adopt" else ""), flush=True)
-        else:
+
+        def go():
+            if step.action in ("skip", "adopt"):
+                if leader and step.action == "adopt":
+                    provenance.write_record(workdir, step.record)
+                print(f"{head} done" + (" (made before inputs were recorded; trusted, as rerun_from is later)"
+                                        if step.action == "adopt" else ""), flush=True)
+                return
             if step.action == "redo" and leader:
                 _remove(workdir, provenance.STAGES[name].outputs)
             if leader:
@@ -237,10 +242,28 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
             start = time.perf_counter()
             stage(cfg, workdir)
             print(f"{head} finished in {time.perf_counter() - start:.0f}s", flush=True)
-        artifacts[name] = workdir / name
+        return go, tuple(u for u in provenance.STAGES[name].upstream if u in names)
+
+    # A stage starts once the stages it reads are done (index beside base, the baselines beside
+    # stage 2 and the datastore), `pipeline.workers` at once (`jaxrag.lanes`); eval reads every
+    # stage before it, so its latency is measured with nothing beside it.
+    lanes.run_graph({name: stage_task(i, name, stage, step)
+                     for i, ((name, stage, _), step) in enumerate(zip(stages, steps), 1)}, workers)
     if (workdir / "report.md").is_file() and (not stop_after or stop_after in ("eval", "export")):
         print((workdir / "report.md").read_text(encoding="utf-8"), flush=True)
-    return artifacts
+    return {name: workdir / name for name in names}
+
+
+def _workers(cfg: ConfigDict) -> int:
+    import jax
+
+    workers = int(cfg.pipeline.workers)
+    if workers < 1:
+        raise JaxragError(f"--config.pipeline.workers={workers}: must be at least 1")
+    if workers > 1 and jax.process_count() > 1:
+        raise JaxragError(f"--config.pipeline.workers={workers}: the {jax.process_count()} processes of a multi-host "
+                          "run must issue their collectives in one order; set --config.pipeline.workers=1")
+    return workers
 
 
 def _is_leader() -> bool:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxrag import lanes
 from jaxrag.data.schema import QAExample, read_examples
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import NONE, SELF, WIKI
@@ -147,6 +149,7 @@ def preferred_sources(model, records: list[dict], cfg: ConfigDict) -> tuple[np.n
     keys, verbal = [], []
     batch = int(cfg.inference.batch_size)
     for start in range(0, len(records), batch):
+        lanes.check()
         seen = []
 
         def forced(inputs, seen=seen):
@@ -209,16 +212,31 @@ def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
 
     out, records = workdir / "baselines", construct_records(workdir)
     base = workdir / "base"
-    train_stage1(add_special_tokens(load(cfg, base), (WIKI, NONE)), relabel(records, "selective_label"), cfg,
-                 out / "selective")
-    no_kv = relabel(records, "no_kv_label")
-    train_stage1(load(cfg, base), no_kv, cfg, out / "no_kv_label_stage1")
-    ref = load(cfg, out / "no_kv_label_stage1" / FINAL)
-    train_stage2(load(cfg, out / "no_kv_label_stage1" / FINAL), ref, no_kv, cfg, out / "no_kv_label")
-    train_stage2_no_dpo(load(cfg, workdir / "stage1" / FINAL), records, cfg, out / "no_dpo")
-    for name in ("no_kv_label", "no_dpo"):
-        if not (out / f"{name}_datastore").is_dir():
-            build_policy_datastore(cfg, out / name / FINAL, records, out / f"{name}_datastore")
+
+    def selective():
+        train_stage1(add_special_tokens(load(cfg, base), (WIKI, NONE)), relabel(records, "selective_label"), cfg,
+                     out / "selective")
+
+    def with_datastore(name: str, train) -> Callable[[], None]:
+        def piece():
+            train()
+            if not (out / f"{name}_datastore").is_dir():
+                build_policy_datastore(cfg, out / name / FINAL, records, out / f"{name}_datastore")
+        return piece
+
+    def no_kv_label():
+        no_kv = relabel(records, "no_kv_label")
+        train_stage1(load(cfg, base), no_kv, cfg, out / "no_kv_label_stage1")
+        ref = load(cfg, out / "no_kv_label_stage1" / FINAL)
+        train_stage2(load(cfg, out / "no_kv_label_stage1" / FINAL), ref, no_kv, cfg, out / "no_kv_label")
+
+    def no_dpo():
+        train_stage2_no_dpo(load(cfg, workdir / "stage1" / FINAL), records, cfg, out / "no_dpo")
+
+    # Independent of each other: side by side when pipeline.workers > 1 (longest first).
+    lanes.run_graph({"no_kv_label": (with_datastore("no_kv_label", no_kv_label), ()),
+                     "no_dpo": (with_datastore("no_dpo", no_dpo), ()), "selective": (selective, ())},
+                    int(cfg.pipeline.workers))
     tmp = out / "done.json.tmp"
     tmp.write_text(json.dumps({"selective": "selective", "no_kv_label": "no_kv_label", "no_dpo": "no_dpo"}) + "\n")
     os.replace(tmp, out / "done.json")

@@ -1,0 +1,76 @@
+"""Independent work side by side (`jaxrag.lanes`): order, concurrency, stopping, same results."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from train_fixtures import tiny_model, train_config
+
+from jaxrag import lanes
+from jaxrag.train import stages
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Self routing lets a model verbalize what it knows."] * 6
+
+
+def test_one_worker_runs_in_dict_order_and_several_respect_dependencies():
+    seen = []
+    tasks = {n: (lambda n=n: seen.append(n), deps) for n, deps in
+             [("world", ()), ("index", ("world",)), ("base", ("world",)), ("construct", ("base", "index"))]}
+    lanes.run_graph(tasks, 1)
+    assert seen == ["world", "index", "base", "construct"]
+    seen.clear()
+    lanes.run_graph(tasks, 3)
+    assert seen[0] == "world" and seen[-1] == "construct" and set(seen[1:3]) == {"index", "base"}
+    with pytest.raises(ValueError, match="not tasks"):
+        lanes.run_graph({"a": (lambda: None, ("b",))}, 2)
+
+
+def test_independent_tasks_run_at_the_same_time():
+    meet = threading.Barrier(2, timeout=10)  # passes only if both tasks are running at once
+    lanes.run_graph({"a": (meet.wait, ()), "b": (meet.wait, ())}, 2)
+    alone = threading.Barrier(2, timeout=0.5)
+    with pytest.raises(threading.BrokenBarrierError):  # one worker: one at a time
+        lanes.run_graph({"a": (alone.wait, ()), "b": (alone.wait, ())}, 1)
+
+
+def test_a_failure_stops_the_work_beside_it_and_is_what_the_caller_sees():
+    stopped = threading.Event()
+
+    def long_loop():
+        try:
+            for _ in range(1000):
+                lanes.check()
+                time.sleep(0.01)
+        except lanes.Stopped:
+            stopped.set()
+            raise
+
+    def fails():
+        time.sleep(0.05)
+        raise ValueError("bad input in piece b")
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="bad input in piece b"):
+        lanes.run_graph({"a": (long_loop, ()), "b": (fails, ()), "after": (lambda: None, ("a",))}, 2)
+    assert stopped.is_set() and time.perf_counter() - start < 5
+    # nested: the inner failure is the news, not the outer sibling's Stopped
+    with pytest.raises(ValueError, match="bad input"):
+        lanes.run_graph({"a": (long_loop, ()), "inner": (lambda: lanes.run_graph({"b": (fails, ())}, 2), ())}, 2)
+    lanes.run_graph({"a": (lanes.check, ())}, 2)  # the flag is cleared for the next run
+
+
+def test_trainings_side_by_side_give_the_same_parameters_as_one_after_the_other(tmp_path):
+    cfg = train_config(pretrain=dict(steps=6))
+
+    def train(name):
+        model = stages.train_lm(tiny_model(), TEXTS, cfg, tmp_path / name)
+        return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.decoder)))
+
+    alone = train("alone")
+    out = {}
+    lanes.run_graph({n: (lambda n=n: out.__setitem__(n, train(n)), ()) for n in ("x", "y")}, 2)
+    for name in ("x", "y"):
+        jax.tree.map(np.testing.assert_array_equal, out[name], alone)
