@@ -15,6 +15,7 @@ them; the first failure is what the caller sees.
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -47,6 +48,8 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
             fn()
         return
     todo, finished, running = dict(tasks), set(), {}
+    interrupted = threading.Event()
+    previous = _catch_ctrl_c(interrupted)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lane")
     try:
         while todo or running:
@@ -56,17 +59,34 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
                 running[pool.submit(fn)] = name
             if not running:
                 raise ValueError(f"tasks {sorted(todo)} wait on each other")
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            done, _ = wait(running, timeout=0.2, return_when=FIRST_COMPLETED)
+            if interrupted.is_set():
+                raise KeyboardInterrupt
             for future in done:
                 if future.exception() is not None:
                     raise _first_failure(running)
                 finished.add(running.pop(future))
     except BaseException:
-        _stop.set()  # Ctrl-C lands here in the main thread
+        _stop.set()
         raise
     finally:
         pool.shutdown(wait=True)  # every piece has returned or reached a check()
         _stop.clear()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _catch_ctrl_c(interrupted: threading.Event):
+    """In the main thread, Ctrl-C only sets flags while pieces run (the previous handler is
+    returned): a KeyboardInterrupt raised inside the futures' lock bookkeeping could leave a lock
+    held and hang the shutdown. The main loop raises it at a safe point instead."""
+    if threading.current_thread() is not threading.main_thread():
+        return None  # a nested graph: the outer one handles Ctrl-C and sets the stop flag
+
+    def on_ctrl_c(signum, frame):
+        interrupted.set()
+        _stop.set()
+    return signal.signal(signal.SIGINT, on_ctrl_c)
 
 
 def _first_failure(running: dict[Future, str]) -> BaseException:

@@ -74,3 +74,39 @@ def test_trainings_side_by_side_give_the_same_parameters_as_one_after_the_other(
     lanes.run_graph({n: (lambda n=n: out.__setitem__(n, train(n)), ()) for n in ("x", "y")}, 2)
     for name in ("x", "y"):
         jax.tree.map(np.testing.assert_array_equal, out[name], alone)
+
+
+CTRL_C = r"""
+import sys, time
+from jaxrag import lanes
+from jaxrag.cli import run
+
+def loop(name):
+    def go():
+        sys.stdout.write(f"running {name}\n")  # one write: print's pieces can interleave
+        sys.stdout.flush()
+        try:
+            while True:
+                lanes.check()
+                time.sleep(0.01)
+        except lanes.Stopped:
+            sys.stdout.write(f"stopped {name}\n")
+            sys.stdout.flush()
+            raise
+    return go
+
+run(lambda: lanes.run_graph({"a": (loop("a"), ()), "b": (loop("b"), ())}, 2))
+"""
+
+
+def test_ctrl_c_stops_every_piece_and_exits_130():
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert sorted(proc.stdout.readline().strip() for _ in "ab") == ["running a", "running b"]  # both at once
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert (proc.returncode, err.strip()) == (130, "interrupted: nothing half-written was kept")
+    assert sorted(out.split()) == sorted("stopped a stopped b".split())
