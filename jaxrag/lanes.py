@@ -33,8 +33,7 @@ def check() -> None:
         raise Stopped("stopped because work running beside this one failed or was interrupted")
 
 
-def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], workers: int,
-              on_start: Callable[[str], None] = lambda name: None) -> None:
+def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], workers: int) -> None:
     """Runs each task `name: (fn, names it depends on)` once those have finished, the ready ones
     in dict order, at most `workers` at once (1: exactly the dict order, in this thread). The
     first failure, or KeyboardInterrupt, stops the others at their next `check()` and is raised
@@ -43,8 +42,7 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
     if unknown:
         raise ValueError(f"dependencies {sorted(unknown)} are not tasks")
     if workers <= 1:
-        for name, (fn, _) in tasks.items():
-            on_start(name)
+        for fn, _ in tasks.values():
             fn()
         return
     todo, finished, running = dict(tasks), set(), {}
@@ -54,9 +52,7 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
     try:
         while todo or running:
             for name in [n for n, (_, deps) in todo.items() if set(deps) <= finished][: workers - len(running)]:
-                fn, _ = todo.pop(name)
-                on_start(name)
-                running[pool.submit(fn)] = name
+                running[pool.submit(todo.pop(name)[0])] = name
             if not running:
                 raise ValueError(f"tasks {sorted(todo)} wait on each other")
             done, _ = wait(running, timeout=0.2, return_when=FIRST_COMPLETED)

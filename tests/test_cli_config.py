@@ -104,6 +104,10 @@ def test_the_python_api_refuses_the_same_mistakes(tmp_path):
     cfg.stage1.learnign_rate = 1.0  # a typo in Python adds a field
     with pytest.raises(JaxragError, match="stage1.learnign_rate does not exist; did you mean stage1.lr"):
         pipeline.run(cfg, tmp_path / "w")
+    cfg = tiny_config("qwen2")
+    cfg.pipeline.workers = 0
+    with pytest.raises(JaxragError, match=r"--config.pipeline.workers=0: must be at least 1"):
+        pipeline.run(cfg, tmp_path / "w")
     assert not (tmp_path / "w").exists()
 
 
