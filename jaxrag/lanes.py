@@ -21,6 +21,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 _stop = threading.Event()
+_graphs = 0  # multi-worker graphs running now (`side_by_side`)
+_graphs_lock = threading.Lock()
+
+
+def side_by_side() -> bool:
+    """Whether pieces may be running beside each other now (a graph with workers > 1 runs)."""
+    return _graphs > 0
 
 
 class Stopped(Exception):
@@ -45,10 +52,13 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
         for fn, _ in tasks.values():
             fn()
         return
+    global _graphs
     todo, finished, running = dict(tasks), set(), {}
     interrupted = threading.Event()
     previous = _catch_ctrl_c(interrupted)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lane")
+    with _graphs_lock:
+        _graphs += 1
     try:
         while todo or running:
             for name in [n for n, (_, deps) in todo.items() if set(deps) <= finished][: workers - len(running)]:
@@ -67,6 +77,8 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
         raise
     finally:
         pool.shutdown(wait=True)  # every piece has returned or reached a check()
+        with _graphs_lock:
+            _graphs -= 1
         _stop.clear()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)

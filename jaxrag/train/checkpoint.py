@@ -8,12 +8,19 @@ and renames it when complete, so a run killed mid-save leaves the previous check
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrag import lanes
 from jaxrag.errors import JaxragError
+
+# Orbax's async machinery is process-wide: two managers saving at once (trainings side by side,
+# `jaxrag.lanes`) collide in its temp directories and commit signals. One manager acts at a time,
+# and side by side a save completes before the lock is released.
+_ORBAX = threading.Lock()
 
 
 class Checkpoints:
@@ -21,31 +28,40 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True,
                                                cleanup_tmp_directories=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with _ORBAX:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        with _ORBAX:
+            return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Returns once the arrays are copied off the devices; files are written in the background."""
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        """Returns once the arrays are copied off the devices; files are written in the background
+        (side by side with other pieces: before it returns)."""
+        with _ORBAX:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             meta=ocp.args.JsonSave(meta)), force=True)
+            if lanes.side_by_side():
+                self.manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """`abstract_state`: tree of jax.ShapeDtypeStruct with the target shardings."""
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                                      meta=ocp.args.JsonRestore()))
+            with _ORBAX:
+                out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                                          meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise JaxragError(f"{self.directory / str(step)}: cannot restore this checkpoint into the current "
                               f"model/optimizer ({e}); use a fresh workdir") from None
         return out.state, dict(out.meta)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with _ORBAX:
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.close()
+        with _ORBAX:
+            self.manager.close()
 
 
 def abstract_like(tree, shardings):
