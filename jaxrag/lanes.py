@@ -79,7 +79,9 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
         pool.shutdown(wait=True)  # every piece has returned or reached a check()
         with _graphs_lock:
             _graphs -= 1
-        _stop.clear()
+            outermost = _graphs == 0
+        if outermost:  # a nested graph leaves the flag set: the outer one's pieces may not have seen it
+            _stop.clear()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
 
