@@ -232,6 +232,25 @@ def test_eval_sets_mirror_their_originals(world):
     assert any(e.metadata["misleading_passage_id"] for e in head)
 
 
+def phrasing(example) -> str:
+    """Which of world_text's question styles an entity-fact question is phrased in."""
+    spec = wt.ATTRIBUTES[example.metadata["entity_type"]][example.metadata["attribute"]]
+    return next(style for style, template in spec.questions.items()
+                if re.fullmatch(re.escape(template).replace(re.escape("{n}"), ".+"), example.question))
+
+
+def test_test_sets_keep_one_phrasing_and_nq_trains_on_every_phrasing(world):
+    """PopQA and TriviaQA keep their own templates; NQ's training and validation questions come in
+    all of them (about a third each), so fine-tuning does not learn to read for one phrasing."""
+    data = world.datasets()
+    assert {phrasing(e) for e in data["popqa"]["test"]} == {"popqa"}
+    assert {phrasing(e) for e in data["triviaqa"]["test"]} == {"trivia"}
+    nq = [e for split in ("train", "validation") for e in data["nq"][split]]
+    counts = Counter(phrasing(e) for e in nq)
+    assert set(counts) == set(wt.QUESTION_STYLES)
+    assert min(counts.values()) > 0.2 * len(nq)
+
+
 def test_pretraining_states_known_facts_never_tail_ones(world):
     text = "\n".join(world.pretraining_texts(0))
     persons = [e for e in world.entities if e.type == "person" and not e.namesake_of]

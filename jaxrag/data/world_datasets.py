@@ -24,7 +24,13 @@ BUCKET_MIX = {
     "popqa": (0.05, 0.15, 0.8), "triviaqa": (0.5, 0.3, 0.2), "nq": (0.4, 0.3, 0.3),
     "fever": (0.4, 0.3, 0.3), "wow": (0.3, 0.3, 0.4),
 }
-QUESTION_STYLE = {"popqa": "popqa", "triviaqa": "trivia", "nq": "nq", "wow": "popqa"}
+# Each dataset's phrasings (world_text.QUESTION_STYLES). The test sets keep one each, as PopQA's
+# templates and TriviaQA's quiz style; NQ's user questions come in every phrasing, as real NQ's do
+# (and as pretraining's QA text). With NQ in its own phrasing only, fine-tuning taught the 3M model
+# to read for that phrasing alone: on seed 9294's PopQA/TriviaQA, its forced-<Wiki> answers named
+# another attribute's value where the untuned model copied the right one (README, item 4).
+QUESTION_STYLE = {"popqa": ("popqa",), "triviaqa": ("trivia",), "nq": wt.QUESTION_STYLES,
+                  "wow": ("popqa",)}
 RULE_STYLE = {"obqa": "open", "arc_easy": "easy", "arc_challenge": "challenge"}
 RULE_DOMAINS = {"obqa": ("science", "health"), "arc_easy": ("science",),
                 "arc_challenge": ("science",), "pubhealth": ("health",)}
@@ -110,9 +116,14 @@ class DatasetBuilder:
         if fact is None:
             return None
         entity, attribute = fact
-        template = wt.ATTRIBUTES[entity.type][attribute].questions[QUESTION_STYLE[name]]
+        template = wt.ATTRIBUTES[entity.type][attribute].questions[self.style(name)]
         return QAExample("", template.format(n=entity.name), (entity.attributes[attribute],),
                          metadata=fact_metadata(entity, attribute))
+
+    def style(self, name: str) -> str:
+        """The phrasing of one question; a one-phrasing dataset draws nothing from the rng."""
+        styles = QUESTION_STYLE[name]
+        return styles[0] if len(styles) == 1 else self.rng.choice(styles)
 
     def fact_claim(self, name: str) -> QAExample | None:
         fact = self.take_fact(BUCKET_MIX[name])
@@ -135,7 +146,7 @@ class DatasetBuilder:
         entity, attribute = fact
         spec = wt.ATTRIBUTES[entity.type][attribute]
         opener = self.rng.choice(wt.WOW_OPENERS).format(n=entity.name)
-        question = f"{opener} {spec.questions[QUESTION_STYLE[name]].format(n=entity.name)}"
+        question = f"{opener} {spec.questions[self.style(name)].format(n=entity.name)}"
         value = entity.attributes[attribute]
         answer = self.rng.choice(spec.statements).format(n=entity.name, v=value)
         metadata = {**fact_metadata(entity, attribute), "short_answer": value}
