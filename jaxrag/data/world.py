@@ -39,6 +39,10 @@ class WorldConfig:
     epochs, which a head entity's facts need to be recalled (~120+ bios each)."""
 
     seed: int = 0
+    # The generator's version, raised whenever the same fields give another world, so that a
+    # workdir built by an older generator is refused (provenance) instead of silently reused.
+    # 2 (2026-11-27): NQ's questions come in every phrasing (world_datasets.QUESTION_STYLE).
+    version: int = 2
     num_persons: int = 300
     num_cities: int = 100
     num_companies: int = 100
