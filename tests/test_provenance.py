@@ -90,6 +90,21 @@ def test_a_changed_training_field_stops_with_the_stage_and_the_difference(tmp_pa
         P.plan(cfg, tmp_path, NAMES, done, True, rerun_from="datastore")  # too late: stage2 stays stale
 
 
+def test_a_workdir_of_an_older_world_generator_is_refused_at_the_world_stage(tmp_path):
+    """`world.version` names the generator: a workdir built before a version existed (version 1)
+    or by another version is refused, not silently reused with the new code's world."""
+    from jaxrag.data.world import WorldConfig
+
+    cfg = tiny_config("qwen2")
+    assert cfg.world.version == WorldConfig().version
+    old = tiny_config("qwen2")
+    del old.world["version"]  # as a version-1 workdir recorded it
+    done = finished(tmp_path, old)
+    with pytest.raises(JaxragError, match=r"world was built from another config \(world.version .* → "
+                                          + str(cfg.world.version)):
+        P.plan(cfg, tmp_path, NAMES, done, True)
+
+
 def test_a_stage_rebuilt_at_the_same_config_makes_its_dependents_stale(tmp_path):
     cfg = tiny_config("qwen2")
     done = finished(tmp_path, cfg)
