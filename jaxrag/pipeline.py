@@ -66,29 +66,33 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
     from jaxrag.eval.probe import probe_world_knowledge
 
     world = _world(cfg)
-    model, attempts = pretrain_until_it_reads(cfg, workdir, world)
+    model, gates = pretrain_until_it_reads_and_verbalizes(cfg, workdir, world)
     metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions),
                                     int(cfg.construct.verbalize_max_tokens))
-    metrics.update(fresh_reading=max(attempts), reading_attempts=attempts,
-                   reading_gate_passed=max(attempts) >= float(cfg.world_probe.reading_gate))
+    metrics.update(gates)
     save_model(model, out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print("  what the base model knows:", json.dumps(metrics))
     return out
 
 
-def pretrain_until_it_reads(cfg: ConfigDict, workdir: Path, world):
-    """(base model, fresh-entity reading of each attempt). Whether a tiny model learns to copy
-    from a passage is decided early and on a knife edge: seed 0's base read 0.39 of fresh-entity
-    questions with the gold passage where seeds 1 and 5407 read 0.90, and 300 more steps (also
-    reading-heavy ones) left it at 0.37-0.40. So the gate is on fresh entities only (never a
-    test question), and a base that fails it is pretrained again from another initialisation
-    and data order, up to `world_probe.attempts` times; the best reader is kept."""
-    from jaxrag.eval.probe import fresh_reading
+def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world) -> tuple[object, dict]:
+    """(base model, the gates' record). SR-RAG assumes a model that can read a passage and can
+    verbalize what it knows; a tiny model learns each on a knife edge, so the base must pass two
+    gates, both on questions no dataset holds (never a test question):
+    - reading: seed 0's base read 0.39 of fresh-entity questions with the gold passage where
+      seeds 1 and 5407 read 0.90, and 300 more steps (also reading-heavy ones) left it at 0.37-0.40;
+    - verbalizing: seed 2253's base (2026-11-27) read 0.91 but its GenRead documents stated the
+      rule of 0.245 of fresh rule questions (other bases: 0.975-1.0), naming other categories'
+      rules, so its <Self> path fell to chance on ARC-Challenge.
+    A base that fails either is pretrained again from another initialisation and data order, up
+    to `world_probe.attempts` runs in all; the one with the largest margin over both gates is kept."""
+    from jaxrag.eval.probe import fresh_reading, fresh_rule_verbalization
     from jaxrag.train.stages import train_lm
 
     probe = cfg.world_probe
-    best, attempts = None, []
+    gates = {"reading": float(probe.reading_gate), "verbalization": float(probe.verbal_gate)}
+    best, best_margin, scores = None, None, []
     for attempt in range(int(probe.attempts)):
         run_cfg = cfg
         if attempt:  # a new initialisation and data order; the world stays the config's
@@ -96,14 +100,24 @@ def pretrain_until_it_reads(cfg: ConfigDict, workdir: Path, world):
             run_cfg.seed = int(cfg.seed) + 1_000_003 * attempt
         train_dir = workdir / "base_train" / (f"attempt{attempt}" if attempt else "")
         model = train_lm(_tiny_model(run_cfg, workdir), world.pretraining_documents, run_cfg, train_dir)
-        attempts.append(fresh_reading(model, world, int(probe.reading_questions)))
-        print(f"  base attempt {attempt}: reads {attempts[-1]:.2f} of fresh-entity questions with the gold passage"
-              f" (gate {float(probe.reading_gate):.2f})")
-        if best is None or attempts[-1] > max(attempts[:-1]):
-            best = model
-        if attempts[-1] >= float(probe.reading_gate):
+        scores.append({"reading": fresh_reading(model, world, int(probe.reading_questions)),
+                       "verbalization": fresh_rule_verbalization(model, world, int(probe.rule_questions),
+                                                                 int(cfg.construct.verbalize_max_tokens))})
+        print(f"  base attempt {attempt}: reads {scores[-1]['reading']:.2f} of fresh-entity questions with the gold "
+              f"passage (gate {gates['reading']:.2f}); its documents state the rule of "
+              f"{scores[-1]['verbalization']:.2f} of fresh rule questions (gate {gates['verbalization']:.2f})")
+        margin = min(scores[-1][k] - gates[k] for k in gates)
+        if best is None or margin > best_margin:
+            best, best_margin, kept = model, margin, attempt
+        if margin >= 0:
             break
-    return best, attempts
+    record = {"fresh_reading": scores[kept]["reading"], "reading_attempts": [s["reading"] for s in scores],
+              "reading_gate_passed": scores[kept]["reading"] >= gates["reading"],
+              "fresh_rule_verbalization": scores[kept]["verbalization"],
+              "verbalization_attempts": [s["verbalization"] for s in scores],
+              "verbalization_gate_passed": scores[kept]["verbalization"] >= gates["verbalization"],
+              "kept_attempt": kept}
+    return best, record
 
 
 def index_stage(cfg: ConfigDict, workdir: Path) -> Path:

@@ -37,7 +37,7 @@ def mini_config():
     cfg.model.datastore_layer = 2  # its last layer, as the tiny config's
     cfg.model.max_length = 160
     cfg.pretrain.update(steps=3, batch_size=4, checkpoint_every=2)
-    cfg.world_probe.update(questions=3, reading_questions=4)  # a 3-step model cannot read: 2 attempts
+    cfg.world_probe.update(questions=3, reading_questions=4, rule_questions=4)  # a 3-step model fails: 2 attempts
     cfg.retrieval.n_passages = 2
     cfg.construct.update(n_contexts=2, verbalize_max_tokens=8, kmeans_clusters=2, demos_per_cluster=1)
     cfg.stage1.update(batch_size=4, epochs=1)
@@ -92,9 +92,12 @@ def test_every_stage_leaves_its_artifact(workdir):
     assert (workdir / "world" / "datasets" / "popqa" / "test.jsonl").is_file()
     probe = json.loads((workdir / "base" / "metrics.json").read_text())
     assert probe["n_popular"] == 3 and 0.0 <= probe["closed_book_popular"] <= 1.0
-    # The reading gate failed (a 3-step model), so the base was pretrained again from a new init.
-    assert len(probe["reading_attempts"]) == 2 and probe["reading_gate_passed"] is False
-    assert probe["fresh_reading"] == max(probe["reading_attempts"])
+    # The gates failed (a 3-step model), so the base was pretrained again from a new init.
+    assert len(probe["reading_attempts"]) == len(probe["verbalization_attempts"]) == 2
+    assert probe["reading_gate_passed"] is False and probe["verbalization_gate_passed"] is False
+    kept = probe["kept_attempt"]
+    assert probe["fresh_reading"] == probe["reading_attempts"][kept]
+    assert probe["fresh_rule_verbalization"] == probe["verbalization_attempts"][kept]
     assert (workdir / "base_train" / "attempt1" / "model").is_dir()
     recall = json.loads((workdir / "index" / "retrieval_metrics.json").read_text())
     assert set(recall) == {f"{name}@{k}" for name in ("popqa", "triviaqa", "pubhealth", "arc_challenge")
@@ -347,9 +350,11 @@ def test_killed_runs_rerun_to_the_same_results(workdir, tmp_path):
     assert not list(out.glob(".*tmp*")) and not list(out.glob(".*partial"))
 
 
-def test_reading_gate_retries_from_a_new_init_and_keeps_the_best_reader(tmp_path, monkeypatch):
-    """pretrain_until_it_reads, with training and the probe replaced by records: attempt k trains
-    in its own directory from seed + 1_000_003 k, stops at the first reader, else keeps the best."""
+def test_base_gates_retry_from_a_new_init_and_keep_the_largest_margin(tmp_path, monkeypatch):
+    """pretrain_until_it_reads_and_verbalizes, with training and the probes replaced by records:
+    attempt k trains in its own directory from seed + 1_000_003 k, stops at the first base that
+    passes both gates (reading 0.8, verbalization 0.7 here), else keeps the largest margin
+    min(reading - 0.8, verbalization - 0.7)."""
     from jaxrag.eval import probe
     from jaxrag.train import stages
 
@@ -357,19 +362,27 @@ def test_reading_gate_retries_from_a_new_init_and_keeps_the_best_reader(tmp_path
     monkeypatch.setattr(pipeline, "_tiny_model", lambda cfg, workdir: int(cfg.seed))
     monkeypatch.setattr(stages, "train_lm", lambda seed, texts, cfg, workdir: runs.append((seed, workdir)) or seed)
 
-    def check(scores, attempts, want_runs, want_model):
+    def check(reading, verbal, attempts, want_runs, want_kept):
         runs.clear()
-        reads = iter(scores)
+        reads, verbs = iter(reading), iter(verbal)
         monkeypatch.setattr(probe, "fresh_reading", lambda model, world, n: next(reads))
+        monkeypatch.setattr(probe, "fresh_rule_verbalization", lambda model, world, n, tokens: next(verbs))
         cfg = tiny_config("qwen2")
         cfg.update(seed=7)
-        cfg.world_probe.update(attempts=attempts, reading_gate=0.8)
-        model, got = pipeline.pretrain_until_it_reads(cfg, tmp_path, type("World", (), {"pretraining_documents": None}))
-        assert got == scores[:want_runs] and model == want_model
+        cfg.world_probe.update(attempts=attempts, reading_gate=0.8, verbal_gate=0.7)
+        model, got = pipeline.pretrain_until_it_reads_and_verbalizes(
+            cfg, tmp_path, type("World", (), {"pretraining_documents": None}))
+        assert model == 7 + 1_000_003 * want_kept and got["kept_attempt"] == want_kept
+        assert got["reading_attempts"] == reading[:want_runs] and got["verbalization_attempts"] == verbal[:want_runs]
+        assert got["fresh_reading"] == reading[want_kept] and got["fresh_rule_verbalization"] == verbal[want_kept]
+        assert got["reading_gate_passed"] == (reading[want_kept] >= 0.8)
+        assert got["verbalization_gate_passed"] == (verbal[want_kept] >= 0.7)
         assert runs == [(7 + 1_000_003 * k, tmp_path / "base_train" / (f"attempt{k}" if k else ""))
                         for k in range(want_runs)]
         assert cfg.seed == 7 and cfg.world.seed == 7  # the config (and its world) untouched
 
-    check([0.9], 3, 1, 7)  # reads at once: one run
-    check([0.3, 0.85], 3, 2, 7 + 1_000_003)  # second init reads: stop there
-    check([0.5, 0.3, 0.4], 3, 3, 7)  # none reads: the best reader (the first)
+    check([0.9], [0.95], 3, 1, 0)  # passes both at once: one run
+    check([0.3, 0.85], [1.0, 0.9], 3, 2, 1)  # second init reads: stop there
+    check([0.91, 0.85], [0.25, 0.9], 3, 2, 1)  # reads but does not verbalize (seed 2253): again
+    check([0.5, 0.3, 0.4], [0.9, 0.9, 0.9], 3, 3, 0)  # none reads: margins -0.3, -0.5, -0.4
+    check([0.95, 0.6, 0.9], [0.2, 0.9, 0.65], 3, 3, 2)  # margins -0.5, -0.2, -0.05: the last

@@ -308,3 +308,25 @@ def test_written_world_and_tokenizer(world, written):
               if kind not in ("first_name", "last_name", "band") for v in pool if v in corpus_words or v in answers}
     assert len(values) > 300
     assert all(len(tok(" " + v)["input_ids"]) == 1 for v in values)  # one uniform format
+
+
+def test_fresh_rule_questions_ask_the_worlds_rules_about_items_no_dataset_holds(world):
+    """The base's verbalization gate: each question names a new item of a world category, its
+    truth is that category's value of the asked property and one of its four choices, and no
+    dataset of the world asks it (the gate never reads a test question)."""
+    from jaxrag.eval.probe import fresh_rule_questions
+
+    got = fresh_rule_questions(world, 50)
+    assert got == fresh_rule_questions(world, 50) and len(got) == 50
+    asked = {ex.prompt_question() for splits in world.datasets().values() for exs in splits.values() for ex in exs}
+    categories = {c.name: c for c in world.categories}
+    known = {i.name for i in world.items}
+    for question, truth in got:
+        assert question not in asked
+        words = set(question.replace(",", " ").replace(".", " ").replace("?", " ").split())
+        (name,) = words & set(categories)
+        assert truth in categories[name].properties.values()
+        choices = question.split(" Choices: ")[1].rstrip(".").split(", ")
+        assert len(choices) == 4 and truth in choices
+        assert not words & known  # a new item, never one a dataset asks about
+    assert len({truth for _, truth in got}) > 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 from jaxrag.data import world_pretrain as wp
+from jaxrag.data import world_text as wt
 from jaxrag.data.world_entities import NameMaker
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import normalize_answer
@@ -66,6 +67,32 @@ def fresh_reading_questions(world, n: int) -> list[tuple[str, list[str], str]]:
         draft, passages, _ = wp.fact_reading(world, "fact", 1, names, rng)
         out.append((draft.question, passages, draft.golden_answers[0]))
     return out
+
+
+def fresh_rule_questions(world, n: int) -> list[tuple[str, str]]:
+    """(question with its choices, the rule's value) about fresh items of the world's categories:
+    the rule is the world's (pretraining states it), the item is new (a random stream of its
+    own, so no dataset of the world holds the question)."""
+    rng = random.Random(f"{world.config.seed}:fresh_rules")
+    names = NameMaker(rng, world.reserved_words())
+    out = []
+    for _ in range(n):
+        category = rng.choice(world.categories)
+        prop = rng.choice(wt.RULE_PROPERTIES[category.domain])
+        truth = category.properties[prop]
+        choices = [truth, *rng.sample([v for v in wt.POOLS[prop] if v != truth], 3)]
+        rng.shuffle(choices)
+        template = wt.RULE_QUESTIONS[prop][rng.choice(sorted(wt.RULE_QUESTIONS[prop]))]
+        question = template.format(i=names.word(), c=category.name)
+        out.append((f"{question} Choices: {', '.join(choices)}.", truth))
+    return out
+
+
+def fresh_rule_verbalization(model, world, n: int, verbal_tokens: int) -> float:
+    """Fraction of greedy GenRead documents that state the rule, on `n` fresh rule questions."""
+    questions = fresh_rule_questions(world, n)
+    docs = _answers(model, [genread_prompt_text(q) for q, _ in questions], verbal_tokens)
+    return states_answer(docs, [truth for _, truth in questions])
 
 
 def fresh_reading(model, world, n: int) -> float:
