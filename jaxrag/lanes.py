@@ -20,6 +20,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+# Orbax's async machinery is process-wide: two savers at once (trainings side by side, a model
+# saved beside a training's checkpoint) collide in its temp directories and commit signals. Every
+# orbax call holds this lock, and a save completes before it is released.
+ORBAX = threading.RLock()
 _stop = threading.Event()
 _graphs = 0  # multi-worker graphs running now (`side_by_side`)
 _graphs_lock = threading.Lock()

@@ -76,6 +76,45 @@ def test_trainings_side_by_side_give_the_same_parameters_as_one_after_the_other(
         jax.tree.map(np.testing.assert_array_equal, out[name], alone)
 
 
+def _held_by_another_thread(lock) -> bool:
+    got = []
+
+    def attempt():
+        got.append(lock.acquire(blocking=False))
+        if got[0]:
+            lock.release()
+    t = threading.Thread(target=attempt)
+    t.start()
+    t.join()
+    return not got[0]
+
+
+def test_models_saved_side_by_side_hold_the_orbax_lock_and_load_back(tmp_path, monkeypatch):
+    """Orbax is process-wide: two unguarded saves at once can fail (FileExistsError in its temp
+    directory, seen in a pipeline's baselines stage), so every orbax call of save_model /
+    load_model holds `lanes.ORBAX`; models saved from two lanes at once all load back."""
+    import orbax.checkpoint as ocp
+
+    from jaxrag.models.model import load_model, save_model
+
+    held = []
+    for name in ("save", "restore"):
+        original = getattr(ocp.StandardCheckpointer, name)
+
+        def call(self, *a, _original=original, **k):
+            held.append(_held_by_another_thread(lanes.ORBAX))
+            return _original(self, *a, **k)
+        monkeypatch.setattr(ocp.StandardCheckpointer, name, call)
+    model = tiny_model()
+    want = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model.decoder)))
+    lanes.run_graph({n: (lambda n=n: [save_model(model, tmp_path / f"{n}{i}") for i in range(3)], ())
+                     for n in ("x", "y")}, 2)
+    for name in ("x0", "x2", "y0", "y2"):
+        got = nnx.to_pure_dict(nnx.state(load_model(tmp_path / name).decoder))
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), want)
+    assert len(held) == 10 and all(held)
+
+
 CTRL_C = r"""
 import sys, time
 from jaxrag import lanes

@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 import transformers
 from flax import nnx
 
+from jaxrag import lanes
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, positions_from_mask, resolve_dtype
@@ -221,7 +222,7 @@ def save_model(model: Model, out) -> Path:
     with atomic_dir(out) as tmp:
         _write_hf_side_files(model, tmp, model.config.param_dtype)
         state = nnx.to_pure_dict(nnx.state(model.decoder))
-        with ocp.StandardCheckpointer() as ckptr:
+        with lanes.ORBAX, ocp.StandardCheckpointer() as ckptr:  # the save completes inside the lock
             ckptr.save((tmp / PARAMS_DIR).absolute(), state)
         meta = {"format": "jaxrag", "sources": list(model.sources),
                 "special_tokens": {t: model.token_id(t) for t in srrag_tokens(model.sources)} if model.sources else {}}
@@ -237,7 +238,7 @@ def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract))
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with lanes.ORBAX, ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(params_dir.absolute(), target)
     except (FileNotFoundError, ValueError) as e:
         raise JaxragError(f"{params_dir}: cannot restore params ({e})") from None

@@ -8,7 +8,6 @@ and renames it when complete, so a run killed mid-save leaves the previous check
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import jax
@@ -17,10 +16,9 @@ import orbax.checkpoint as ocp
 from jaxrag import lanes
 from jaxrag.errors import JaxragError
 
-# Orbax's async machinery is process-wide: two managers saving at once (trainings side by side,
-# `jaxrag.lanes`) collide in its temp directories and commit signals. One manager acts at a time,
-# and side by side a save completes before the lock is released.
-_ORBAX = threading.Lock()
+# One orbax caller at a time (`lanes.ORBAX`); side by side a save completes before the lock is
+# released.
+_ORBAX = lanes.ORBAX
 
 
 class Checkpoints:
