@@ -104,7 +104,7 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
                        "verbalization": fresh_rule_verbalization(model, world, int(probe.rule_questions),
                                                                  int(cfg.construct.verbalize_max_tokens))})
         print(f"  base attempt {attempt}: reads {scores[-1]['reading']:.2f} of fresh-entity questions with the gold "
-              f"passage (gate {gates['reading']:.2f}); its documents state the rule of "
+              f"passage (gate {gates['reading']:.2f}); its documents state the rule for "
               f"{scores[-1]['verbalization']:.2f} of fresh rule questions (gate {gates['verbalization']:.2f})")
         margin = min(scores[-1][k] - gates[k] for k in gates)
         if best is None or margin > best_margin:
