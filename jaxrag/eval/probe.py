@@ -19,6 +19,7 @@ import random
 
 from jaxrag.data import world_pretrain as wp
 from jaxrag.data import world_text as wt
+from jaxrag.data.schema import QAExample
 from jaxrag.data.world_entities import NameMaker
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import normalize_answer
@@ -83,8 +84,8 @@ def fresh_rule_questions(world, n: int) -> list[tuple[str, str]]:
         choices = [truth, *rng.sample([v for v in wt.POOLS[prop] if v != truth], 3)]
         rng.shuffle(choices)
         template = wt.RULE_QUESTIONS[prop][rng.choice(sorted(wt.RULE_QUESTIONS[prop]))]
-        question = template.format(i=names.word(), c=category.name)
-        out.append((f"{question} Choices: {', '.join(choices)}.", truth))
+        ex = QAExample("", template.format(i=names.word(), c=category.name), (truth,), tuple(choices))
+        out.append((ex.prompt_question(), truth))
     return out
 
 

@@ -16,27 +16,22 @@ import orbax.checkpoint as ocp
 from jaxrag import lanes
 from jaxrag.errors import JaxragError
 
-# One orbax caller at a time (`lanes.ORBAX`); side by side a save completes before the lock is
-# released.
-_ORBAX = lanes.ORBAX
-
-
 class Checkpoints:
     def __init__(self, directory: Path, keep: int):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True,
                                                cleanup_tmp_directories=True)
-        with _ORBAX:
+        with lanes.ORBAX:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
-        with _ORBAX:
+        with lanes.ORBAX:
             return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
         """Returns once the arrays are copied off the devices; files are written in the background
-        (side by side with other pieces: before it returns)."""
-        with _ORBAX:
+        (side by side with other pieces: before it returns, inside `lanes.ORBAX`)."""
+        with lanes.ORBAX:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)
             if lanes.side_by_side():
@@ -45,7 +40,7 @@ class Checkpoints:
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """`abstract_state`: tree of jax.ShapeDtypeStruct with the target shardings."""
         try:
-            with _ORBAX:
+            with lanes.ORBAX:
                 out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                                           meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, FileNotFoundError) as e:
@@ -54,11 +49,11 @@ class Checkpoints:
         return out.state, dict(out.meta)
 
     def wait(self) -> None:
-        with _ORBAX:
+        with lanes.ORBAX:
             self.manager.wait_until_finished()
 
     def close(self) -> None:
-        with _ORBAX:
+        with lanes.ORBAX:
             self.manager.close()
 
 
