@@ -63,7 +63,7 @@ def measure(cfg, devices, accelerator: str, usable_gb: float, headroom: float, m
     rows, limit = [], usable_gb * (1 - headroom)
     for p in programs:
         start = time.perf_counter()
-        m = p.build().compile().memory_analysis()
+        m = p.lower().compile().memory_analysis()
         seconds = time.perf_counter() - start
         peak = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 1e9
         per_call = max(p.flops / (peak_flops * len(devices) * mfu), p.weight_bytes / (bandwidth * mfu))
@@ -90,6 +90,12 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def accelerator_of(device) -> str:
+    """The `ACCELERATORS` entry whose peak and bandwidth stand for this device (H100 otherwise)."""
+    kind = device.device_kind.lower()
+    return "a100" if "a100" in kind else "v5e" if "v5 lite" in kind or "v5e" in kind else "v5p" if "v5" in kind else "h100"
+
+
 def check_fit(cfg) -> None:
     """The pipeline's preflight on accelerators: compiles the programs on the real devices (their
     own allocator limit is the usable memory) and raises one line per program that would run
@@ -103,8 +109,6 @@ def check_fit(cfg) -> None:
     usable = stats.get("bytes_limit", 0) / 1e9
     if not usable:
         return
-    kind = "a100" if "A100" in devices[0].device_kind else ("v5e" if "v5 lite" in devices[0].device_kind.lower()
-                                                               else "v5p" if "v5" in devices[0].device_kind else "h100")
-    rows = measure(cfg, devices, kind, usable, DEFAULT_HEADROOM, DEFAULT_MFU, log=lambda *_: None)
+    rows = measure(cfg, devices, accelerator_of(devices[0]), usable, DEFAULT_HEADROOM, DEFAULT_MFU, log=lambda *_: None)
     if bad := failures(rows, usable, DEFAULT_HEADROOM, len(devices)):
         raise JaxragError("these programs would run out of device memory (jaxrag.plan):\n  " + "\n  ".join(bad))

@@ -54,17 +54,25 @@ PAPER_ARCHS = {
 }
 ENCODER = BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
 TRAIN_QUESTIONS = 50_912  # the paper's six training sets (Table 5)
+# The programs `decoder_programs` + `encoder_program` make, in that order.
+PROGRAMS = ("stage1 step", "stage2 step", "DPO reference scoring", "construct generation: prefill",
+            "construct generation: decode step", "construct likelihood scoring", "routed decoding: knowledge prefill",
+            "routed decoding: decode step", "retriever encoder")
 
 
 @dataclasses.dataclass
 class Program:
     name: str
-    build: Callable[[], jax.stages.Lowered]  # lowers the jitted program on abstract arguments
+    fn: Callable  # the jitted program
+    args: tuple  # its abstract arguments (ShapeDtypeStructs with shardings)
     flops: float  # per call, by the model's count (XLA's cost analysis counts a scan body once)
     tokens: int  # per call
     calls: int  # per pipeline run (0 = per request, not estimated)
     weight_bytes: float  # parameter bytes one device reads per call (decode is bandwidth-bound)
     fixes: tuple[str, ...]  # settings that shrink it, for the "does not fit" line
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(*self.args)
 
 
 def bucket(n: int) -> int:
@@ -145,14 +153,14 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
         fixes = ([f"--config.{name}.per_device_batch_size={max(1, micro // 2)}"] if micro > 1 else []) + \
             ([] if remat == "block" else ["--config.model.remat=block"])
         steps = int(section.epochs) * math.ceil(TRAIN_QUESTIONS / spec.batch_size)
-        programs.append(Program(f"{name} step", lambda step=step, a=_abstract(abstract, shardings), b=batch: step.lower(a, b, abstract_frozen),
+        programs.append(Program(f"{name} step", step, (_abstract(abstract, shardings), batch, abstract_frozen),
                                 train_flops(dec_cfg, rows, length, scored, remat), rows * length, steps,
                                 param_bytes, tuple(fixes)))
         if pairs:  # the frozen stage-1 model's log p(c_i+|q), log p(c_i-|q), one micro-batch at a time
             mrows = spec.batch_size // accum
             ref = jax.jit(lambda p, b: losses.verbalization_logprobs(trainer.forward_fn(graphdef, p), b),
                           out_shardings=sharding.replicated(mesh))
-            programs.append(Program("DPO reference scoring", lambda ref=ref, b=stage_batch(mrows, True): ref.lower(abstract_params, b),
+            programs.append(Program("DPO reference scoring", ref, (abstract_params, stage_batch(mrows, True)),
                                     forward_flops(dec_cfg, 2 * mrows, length, length, scored), 2 * mrows * length,
                                     math.ceil(TRAIN_QUESTIONS / mrows), param_bytes, tuple(fixes[:1])))
 
@@ -173,7 +181,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
             return new, hidden, sampler.sample_tokens(new.logits, jax.random.key(0), sampler.SamplingParams())
 
         fn = jax.jit(run, out_shardings=(state_sh, None, bs), donate_argnums=1)
-        programs.append(Program(name, lambda: fn.lower(abstract_params, abstract_state, inputs["ids"], inputs["mask"]),
+        programs.append(Program(name, fn, (abstract_params, abstract_state, inputs["ids"], inputs["mask"]),
                                 forward_flops(dec_cfg, rows, chunk, slots, 1), rows * chunk, calls, param_bytes, fixes))
 
     c, inf = cfg.construct, cfg.inference
@@ -194,7 +202,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     fn = jax.jit(lambda p, ids, mask, at: losses.target_logprobs(
         nnx.merge(graphdef, p)(ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
     b = _batch(mesh, ids=((score_rows, score_len), i32), mask=((score_rows, score_len), bool), at=((score_rows, answer), i32))
-    programs.append(Program("construct likelihood scoring", lambda: fn.lower(abstract_params, b["ids"], b["mask"], b["at"]),
+    programs.append(Program("construct likelihood scoring", fn, (abstract_params, b["ids"], b["mask"], b["at"]),
                             forward_flops(dec_cfg, score_rows, score_len, score_len, answer), score_rows * score_len,
                             score_calls, param_bytes, (f"--config.construct.score_batch_size={max(1, score_rows // 2)}",)))
     route_rows = sampler.batch_rows(int(inf.batch_size), mesh)
@@ -218,7 +226,7 @@ def encoder_program(mesh, rows: int = 64, length: int = 256) -> Program:
     e, f = ENCODER.hidden_size, ENCODER.intermediate_size
     flops = 2 * ENCODER.num_layers * (4 * e * e + 2 * e * f) * rows * length + 4 * ENCODER.num_layers * e * rows * length**2
     n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-    return Program("retriever encoder", lambda: fn.lower(abstract, b["ids"], b["mask"]), flops, rows * length, 0,
+    return Program("retriever encoder", fn, (abstract, b["ids"], b["mask"]), flops, rows * length, 0,
                    n_bytes, ())
 
 

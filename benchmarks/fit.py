@@ -1,0 +1,159 @@
+"""The plan, run for real: each heavy program of the pipeline on the devices present.
+
+    python -m benchmarks.fit --config configs/qwen.py [--config.x=y ...] --json OUT [--only NAME,NAME] [--steps 2]
+
+`python -m jaxrag.plan` sizes the programs from XLA's analysis of an AOT compile; this runs them.
+Every program of `jaxrag.plan_programs` (or those in `--only`) is compiled on the real devices
+(the config's mesh over all of them) and called on random weights and inputs of its real shapes
+and dtypes (nothing downloaded): one warm-up call, then `--steps` timed calls, fresh arguments
+for each (a train step donates its state). Each program runs in a process of its own, so the
+allocator's peak (`memory_stats()["peak_bytes_in_use"]`, the most any device held: arguments,
+temporaries and outputs) is that program's alone. Per program: XLA's estimate on this backend,
+the measured peak, the allocator's limit, seconds per call (median), tokens/s, and the MFU by
+the model's FLOP count (the plan's) against the device's dense bf16 peak (`plan_fit.ACCELERATORS`).
+A program that runs out of device memory is recorded as such. CPUs have no allocator statistics
+(measured peak null); there it checks that the programs run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+from jaxrag.cli import ConfigFlag
+
+_CONFIG = ConfigFlag()
+_JSON = flags.DEFINE_string("json", None, "write the result here (JSON)", required=True)
+_ONLY = flags.DEFINE_list("only", [], "programs to run (names as jaxrag.plan prints them); default all")
+_STEPS = flags.DEFINE_integer("steps", 2, "timed calls per program (after one warm-up)", lower_bound=1)
+
+
+def materialize(args, seed: int):
+    """Concrete arrays for abstract arguments, made on their devices with their shardings:
+    floats ~ N(0, 0.02) in their own dtype, masks all true (every position computed), integer
+    ids and positions 0 (valid for any vocabulary or cache)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(args)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def make(x, key):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            fn = lambda k: 0.02 * jax.random.normal(k, x.shape, x.dtype)  # noqa: E731
+        elif x.dtype == jnp.bool_:
+            fn = lambda k: jnp.ones(x.shape, bool)  # noqa: E731
+        else:
+            fn = lambda k: jnp.zeros(x.shape, x.dtype)  # noqa: E731
+        return jax.jit(fn, out_shardings=x.sharding)(key)
+
+    return jax.tree.unflatten(treedef, [make(x, k) for x, k in zip(leaves, keys)])
+
+
+def programs(cfg, mesh):
+    from jaxrag.plan_programs import decoder_programs, encoder_program, plan_decoder_config
+
+    return decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(mesh)]
+
+
+def run_program(cfg, name: str, steps: int) -> dict:
+    """Compiles and runs program `name` on all devices; its sizes and speed (see the module doc)."""
+    import jax
+
+    from jaxrag import sharding
+    from jaxrag.plan_fit import ACCELERATORS, accelerator_of
+
+    devices = jax.devices()
+    found = {p.name: p for p in programs(cfg, sharding.make_mesh(cfg.mesh, devices))}
+    if name not in found:
+        raise SystemExit(f"error: --only: no program {name!r}; programs: {', '.join(found)}")
+    p = found[name]
+    start = time.perf_counter()
+    compiled = p.lower().compile()
+    compile_s = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    row = dict(name=name, xla_peak_gb=(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+                                       - m.alias_size_in_bytes) / 1e9,
+               compile_s=compile_s, flops=p.flops, tokens=p.tokens)
+    seconds = []
+    try:
+        for i in range(steps + 1):
+            args = materialize(p.args, seed=i)
+            jax.block_until_ready(args)
+            start = time.perf_counter()
+            out = jax.block_until_ready(compiled(*args))
+            seconds.append(time.perf_counter() - start)
+            for x in jax.tree.leaves((args, out)):  # free before the next call's arguments exist
+                if not x.is_deleted():
+                    x.delete()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        row["out_of_memory"] = str(e).splitlines()[0][:300]
+    stats = [d.memory_stats() or {} for d in devices]
+    peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
+    limit = min(s.get("bytes_limit", 0) for s in stats)
+    row.update(measured_peak_gb=peak / 1e9 if peak else None, bytes_limit_gb=limit / 1e9 if limit else None)
+    if len(seconds) > 1:
+        timed = sorted(seconds[1:])[len(seconds[1:]) // 2]
+        peak_flops = ACCELERATORS[accelerator_of(devices[0])][0] * len(devices)
+        row.update(seconds=timed, tokens_per_s=p.tokens / timed, tflops_per_s=p.flops / timed / 1e12,
+                   mfu=p.flops / timed / peak_flops if jax.default_backend() != "cpu" else None)
+    return row
+
+
+def _child_command(name: str, out: Path) -> list[str]:
+    """This command for one program: the config flags as given, --only and --json replaced."""
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip or a.startswith(("--only=", "--json=")):
+            skip = False
+        elif a in ("--only", "--json"):
+            skip = True
+        else:
+            args.append(a)
+    return [sys.executable, "-m", "benchmarks.fit", *args, f"--only={name}", f"--json={out}"]
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise SystemExit(f"error: unexpected argument {argv[1]!r} (flags are --name=value)")
+    from benchmarks.common import write_json
+
+    cfg, out = _CONFIG.value, Path(_JSON.value)
+    if not out.parent.is_dir():
+        raise SystemExit(f"error: --json {out}: directory {out.parent} does not exist")
+    if len(_ONLY.value) == 1:  # one program: run it here
+        import jax
+
+        write_json(out, {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                         "devices": jax.device_count(), "jax": jax.__version__,
+                         "programs": [run_program(cfg, _ONLY.value[0], _STEPS.value)]})
+        return
+    from jaxrag.plan_programs import PROGRAMS
+
+    result = {"config": cfg.model.path, "lora_rank": int(cfg.model.get("lora", {}).get("rank", 0)),
+              "remat": cfg.model.get("remat", "none"), "steps": _STEPS.value, "programs": []}
+    for name in _ONLY.value or PROGRAMS:
+        with tempfile.TemporaryDirectory() as tmp:
+            child = Path(tmp) / "one.json"
+            proc = subprocess.run(_child_command(name, child), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                  text=True)
+            if proc.returncode:
+                result["programs"].append(dict(name=name, error=proc.stderr.strip().splitlines()[-1][:500]))
+            else:
+                one = json.loads(child.read_text())
+                result.update({k: one[k] for k in ("backend", "device", "devices", "jax")})
+                result["programs"] += one["programs"]
+        write_json(out, result)  # after each program: what ran is kept if the rest is cut off
+        print(f"{name}: done", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_CONFIG.parse)
