@@ -6,4 +6,5 @@
     python -m benchmarks.construct              Algorithm 1 throughput of an embedded-default-sized model
     python -m benchmarks.reading                how fast reading comprehension emerges in the tiny model
     python -m benchmarks.attention --json OUT   the decoder's attention path (cuDNN on GPUs) vs XLA, numbers and time
+    python -m benchmarks.fit --config CFG --json OUT   the plan's programs run on the devices present: peak, s/call, MFU
 """

@@ -27,7 +27,7 @@ def reuse_cpu_temporaries() -> bool:
     jax is imported (threads keep the arena they first used). Skipped where an accelerator
     plugin is installed (its host side does not need it, and a never-trimmed heap would hold
     on to the host copies of a 7B checkpoint) and off glibc."""
-    if "jax" in sys.modules or not _jax_runs_on_cpu():
+    if "jax" in sys.modules or not jax_runs_on_cpu():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
@@ -37,7 +37,7 @@ def reuse_cpu_temporaries() -> bool:
                ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
-def _jax_runs_on_cpu() -> bool:
+def jax_runs_on_cpu() -> bool:
     """JAX_PLATFORMS when set; else no accelerator plugin (CUDA / ROCm via `jax_plugins`, TPU)."""
     if platforms := os.environ.get("JAX_PLATFORMS"):
         return platforms == "cpu"

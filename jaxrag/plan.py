@@ -6,7 +6,7 @@ pipeline (`jaxrag.plan_programs`) at the config's real shapes and target dtypes 
 (fake CPU devices when N real accelerators are absent), with abstract parameters, and prints per
 program XLA's per-device peak memory (temporaries + arguments + outputs - donated aliases), FLOPs
 and tokens per call, and the estimated time of each stage = calls x max(FLOPs / (peak FLOP/s x
-MFU), weight bytes / (HBM bandwidth x MFU)) on N devices (decode steps are bandwidth-bound).
+MFU), bytes read / (HBM bandwidth x MFU)) on N devices (decode steps are bandwidth-bound).
 A program fits when its peak is within the usable memory (device memory x the fraction JAX may
 allocate, 75% by default as JAX's preallocation) less `--headroom` (10%). Exits 2 with one line
 per program that does not fit, naming settings that would make it fit. The pipeline runs the
@@ -28,10 +28,12 @@ if __name__ == "__main__":
     _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), None)
     if _n is None and "--devices" in sys.argv[:-1]:
         _n = sys.argv[sys.argv.index("--devices") + 1]
+    from jaxrag.cli import jax_runs_on_cpu
     from jaxrag.plan_fit import PLAN_XLA_FLAGS  # imports no jax
 
+    # PLAN_XLA_FLAGS corrects for XLA-CPU only: on accelerators the plan compiles what the pipeline runs
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_n or 8} "
-                               + PLAN_XLA_FLAGS)
+                               + (PLAN_XLA_FLAGS if jax_runs_on_cpu() else ""))
 
 import dataclasses
 import json

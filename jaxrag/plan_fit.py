@@ -66,7 +66,7 @@ def measure(cfg, devices, accelerator: str, usable_gb: float, headroom: float, m
         m = p.lower().compile().memory_analysis()
         seconds = time.perf_counter() - start
         peak = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 1e9
-        per_call = max(p.flops / (peak_flops * len(devices) * mfu), p.weight_bytes / (bandwidth * mfu))
+        per_call = max(p.flops / (peak_flops * len(devices) * mfu), p.read_bytes / (bandwidth * mfu))
         hours = p.calls * per_call / 3600 if p.calls else None
         rows.append(Row(p.name, peak, p.flops, p.tokens, p.calls, hours, seconds, peak <= limit, p.fixes))
         log(f"  compiled {p.name}: {peak:.1f} GB per device ({seconds:.0f}s)")

@@ -68,7 +68,7 @@ class Program:
     flops: float  # per call, by the model's count (XLA's cost analysis counts a scan body once)
     tokens: int  # per call
     calls: int  # per pipeline run (0 = per request, not estimated)
-    weight_bytes: float  # parameter bytes one device reads per call (decode is bandwidth-bound)
+    read_bytes: float  # bytes one device reads per call: parameters, and a decode step's KV cache
     fixes: tuple[str, ...]  # settings that shrink it, for the "does not fit" line
 
     def lower(self) -> jax.stages.Lowered:
@@ -181,8 +181,10 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
             return new, hidden, sampler.sample_tokens(new.logits, jax.random.key(0), sampler.SamplingParams())
 
         fn = jax.jit(run, out_shardings=(state_sh, None, bs), donate_argnums=1)
+        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache)) / dp  # batch-sharded
         programs.append(Program(name, fn, (abstract_params, abstract_state, inputs["ids"], inputs["mask"]),
-                                forward_flops(dec_cfg, rows, chunk, slots, 1), rows * chunk, calls, param_bytes, fixes))
+                                forward_flops(dec_cfg, rows, chunk, slots, 1), rows * chunk, calls,
+                                param_bytes + cache_bytes, fixes))
 
     c, inf = cfg.construct, cfg.inference
     verbal = int(c.verbalize_max_tokens)

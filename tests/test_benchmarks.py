@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import attention, decode, retrieval, train
+import jax
+import numpy as np
+import transformers
+
+from benchmarks import attention, decode, fit, retrieval, train
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
@@ -83,3 +87,40 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
         proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
         assert "error:" in proc.stderr
+
+
+def test_fit_makes_arguments_of_the_abstract_shapes_dtypes_and_shardings():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    args = ({"w": jax.ShapeDtypeStruct((3, 4), jax.numpy.bfloat16, sharding=rows)},
+            jax.ShapeDtypeStruct((2, 5), bool, sharding=rows), jax.ShapeDtypeStruct((4,), np.int32, sharding=rows))
+    made = fit.materialize(args, seed=0)
+    assert jax.tree.structure(made) == jax.tree.structure(args)
+    for x, a in zip(jax.tree.leaves(made), jax.tree.leaves(args)):
+        assert (x.shape, x.dtype, x.sharding) == (a.shape, a.dtype, a.sharding)
+    w = np.asarray(made[0]["w"], np.float32)
+    assert np.abs(w).max() <= 0.0201 and len(np.unique(w)) > 6  # varied, small like initial weights
+    assert np.asarray(made[1]).all() and not np.asarray(made[2]).any()  # every position real; ids 0
+    assert not np.array_equal(np.asarray(fit.materialize(args, seed=1)[0]["w"], np.float32), w)
+
+
+def test_fit_runs_each_program_in_a_process_of_its_own(tmp_path):
+    """A small Llama on the paper config's programs: each named program compiled and called, an
+    unknown name recorded as its own error, the JSON written; CPUs have no allocator peak."""
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path / "llama")
+    out = tmp_path / "fit.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.fit", "--config", "configs/llama2.py",
+                           f"--config.model.path={tmp_path / 'llama'}", "--config.stage2.batch_size=8",
+                           "--config.model.max_length=128", "--only", "DPO reference scoring,nope", "--steps", "1",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    ran, bad = result["programs"]
+    assert result["backend"] == "cpu" and ran["name"] == "DPO reference scoring"
+    assert ran["tokens"] == 2 * 8 * 128  # chosen + rejected rows of one micro-batch of 8 pairs
+    assert ran["xla_peak_gb"] > 0 and ran["seconds"] > 0 and ran["compile_s"] > 0
+    assert ran["measured_peak_gb"] is None and ran["mfu"] is None
+    assert ran["tflops_per_s"] == ran["flops"] / ran["seconds"] / 1e12
+    assert bad["name"] == "nope" and "no program 'nope'" in bad["error"]
