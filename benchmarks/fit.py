@@ -26,7 +26,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxrag.cli import ConfigFlag
+from jaxrag.cli import ConfigFlag, run
+from jaxrag.errors import JaxragError
 
 _CONFIG = ConfigFlag()
 _JSON = flags.DEFINE_string("json", None, "write the result here (JSON)", required=True)
@@ -36,8 +37,8 @@ _STEPS = flags.DEFINE_integer("steps", 2, "timed calls per program (after one wa
 
 def materialize(args, seed: int):
     """Concrete arrays for abstract arguments, made on their devices with their shardings:
-    floats 0.02 sin(a different phase per element and call) in their own dtype, masks all true (every position computed), integer
-    ids and positions 0 (valid for any vocabulary or cache)."""
+    floats 0.02 sin(a phase per element, leaf and seed) in their own dtype, masks all true
+    (every position computed), integer ids and positions 0 (valid for any vocabulary or cache)."""
     import jax
     import jax.numpy as jnp
 
@@ -74,7 +75,7 @@ def run_program(cfg, name: str, steps: int) -> dict:
     devices = jax.devices()
     found = {p.name: p for p in programs(cfg, sharding.make_mesh(cfg.mesh, devices))}
     if name not in found:
-        raise SystemExit(f"error: --only: no program {name!r}; programs: {', '.join(found)}")
+        raise JaxragError(f"--only: no program {name!r}; programs: {', '.join(found)}")
     p = found[name]
     start = time.perf_counter()
     compiled = p.lower().compile()
@@ -125,12 +126,16 @@ def _child_command(name: str, out: Path) -> list[str]:
 
 def main(argv) -> None:
     if len(argv) > 1:
-        raise SystemExit(f"error: unexpected argument {argv[1]!r} (flags are --name=value)")
+        print(f"error: unexpected argument {argv[1]!r} (flags are --name=value)", file=sys.stderr)
+        raise SystemExit(2)
+    run(lambda: fit(_CONFIG.value, Path(_JSON.value)))
+
+
+def fit(cfg, out: Path) -> None:
     from benchmarks.common import write_json
 
-    cfg, out = _CONFIG.value, Path(_JSON.value)
     if not out.parent.is_dir():
-        raise SystemExit(f"error: --json {out}: directory {out.parent} does not exist")
+        raise JaxragError(f"--json {out}: directory {out.parent} does not exist")
     if len(_ONLY.value) == 1:  # one program: run it here
         import jax
 

@@ -3,6 +3,7 @@ inside them hold against their references (greedy tokens == transformers' teache
 exact search == numpy's top 10). Speed itself is never asserted here (see benchmarks/)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,8 @@ def test_recall_counts_ties_and_duplicates_once():
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
     for args in (["benchmarks.decode", "--json", str(tmp_path / "no" / "x.json")],
                  ["benchmarks.train", "--json", str(tmp_path / "x.json"), "--heads", "3"],
-                 ["benchmarks.retrieval", "--n", "0", "--json", str(tmp_path / "x.json")]):
+                 ["benchmarks.retrieval", "--n", "0", "--json", str(tmp_path / "x.json")],
+                 ["benchmarks.fit", "--config", "configs/qwen.py", "--json", str(tmp_path / "no" / "x.json")]):
         proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
         assert "error:" in proc.stderr
@@ -114,7 +116,7 @@ def test_fit_runs_each_program_in_a_process_of_its_own(tmp_path):
                            f"--config.model.path={tmp_path / 'llama'}", "--config.stage2.batch_size=8",
                            "--config.model.max_length=128", "--only", "DPO reference scoring,nope", "--steps", "1",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     ran, bad = result["programs"]
