@@ -59,21 +59,16 @@ def materialize(args, seed: int):
     return jax.tree.unflatten(treedef, jax.jit(make, out_shardings=[x.sharding for x in leaves])())
 
 
-def programs(cfg, mesh):
-    from jaxrag.plan_programs import decoder_programs, encoder_program, plan_decoder_config
-
-    return decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(mesh)]
-
-
 def run_program(cfg, name: str, steps: int) -> dict:
     """Compiles and runs program `name` on all devices; its sizes and speed (see the module doc)."""
     import jax
 
     from jaxrag import sharding
     from jaxrag.plan_fit import ACCELERATORS, accelerator_of
+    from jaxrag.plan_programs import pipeline_programs
 
     devices = jax.devices()
-    found = {p.name: p for p in programs(cfg, sharding.make_mesh(cfg.mesh, devices))}
+    found = {p.name: p for p in pipeline_programs(cfg, sharding.make_mesh(cfg.mesh, devices))}
     if name not in found:
         raise JaxragError(f"--only: no program {name!r}; programs: {', '.join(found)}")
     p = found[name]
@@ -128,26 +123,26 @@ def main(argv) -> None:
     if len(argv) > 1:
         print(f"error: unexpected argument {argv[1]!r} (flags are --name=value)", file=sys.stderr)
         raise SystemExit(2)
-    run(lambda: fit(_CONFIG.value, Path(_JSON.value)))
+    run(lambda: fit(_CONFIG.value, Path(_JSON.value), _ONLY.value, _STEPS.value))
 
 
-def fit(cfg, out: Path) -> None:
+def fit(cfg, out: Path, only: list[str], steps: int) -> None:
     from benchmarks.common import write_json
 
     if not out.parent.is_dir():
         raise JaxragError(f"--json {out}: directory {out.parent} does not exist")
-    if len(_ONLY.value) == 1:  # one program: run it here
+    if len(only) == 1:  # one program: run it here
         import jax
 
         write_json(out, {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
                          "devices": jax.device_count(), "jax": jax.__version__,
-                         "programs": [run_program(cfg, _ONLY.value[0], _STEPS.value)]})
+                         "programs": [run_program(cfg, only[0], steps)]})
         return
     from jaxrag.plan_programs import PROGRAMS
 
     result = {"config": cfg.model.path, "lora_rank": int(cfg.model.get("lora", {}).get("rank", 0)),
-              "remat": cfg.model.get("remat", "none"), "steps": _STEPS.value, "programs": []}
-    for name in _ONLY.value or PROGRAMS:
+              "remat": cfg.model.get("remat", "none"), "steps": steps, "programs": []}
+    for name in only or PROGRAMS:
         with tempfile.TemporaryDirectory() as tmp:
             child = Path(tmp) / "one.json"
             proc = subprocess.run(_child_command(name, child), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,

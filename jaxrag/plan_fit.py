@@ -54,12 +54,10 @@ def measure(cfg, devices, accelerator: str, usable_gb: float, headroom: float, m
     """Compiles every program (or those named in `only`) on a mesh over `devices` (the config's
     mesh shape) and sizes it."""
     from jaxrag import sharding
-    from jaxrag.plan_programs import decoder_programs, encoder_program, plan_decoder_config
+    from jaxrag.plan_programs import pipeline_programs
 
     peak_flops, bandwidth, _ = ACCELERATORS[accelerator]
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    programs = decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(mesh)]
-    programs = [p for p in programs if not only or p.name in only]
+    programs = [p for p in pipeline_programs(cfg, sharding.make_mesh(cfg.mesh, devices)) if not only or p.name in only]
     rows, limit = [], usable_gb * (1 - headroom)
     for p in programs:
         start = time.perf_counter()

@@ -232,6 +232,11 @@ def encoder_program(mesh, rows: int = 64, length: int = 256) -> Program:
                    n_bytes, ())
 
 
+def pipeline_programs(cfg, mesh) -> list[Program]:
+    """Every heavy program of the pipeline for config `cfg` on `mesh`, in `PROGRAMS` order."""
+    return decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(mesh)]
+
+
 def plan_decoder_config(cfg) -> DecoderConfig:
     """The config's model architecture at its target dtypes: `auto` compute = bfloat16 (what the
     accelerators run), even when the plan compiles on CPU. A local HF directory is read; the
