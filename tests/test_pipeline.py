@@ -92,6 +92,7 @@ def test_every_stage_leaves_its_artifact(workdir):
     assert (workdir / "world" / "datasets" / "popqa" / "test.jsonl").is_file()
     probe = json.loads((workdir / "base" / "metrics.json").read_text())
     assert probe["n_popular"] == 3 and 0.0 <= probe["closed_book_popular"] <= 1.0
+    assert 0.0 <= probe["claim_reading"] <= 1.0
     # The gates failed (a 3-step model), so the base was pretrained again from a new init.
     assert len(probe["reading_attempts"]) == len(probe["verbalization_attempts"]) == 2
     assert probe["reading_gate_passed"] is False and probe["verbalization_gate_passed"] is False

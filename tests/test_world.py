@@ -330,3 +330,19 @@ def test_fresh_rule_questions_ask_the_worlds_rules_about_items_no_dataset_holds(
         assert len(choices) == 4 and truth in choices
         assert not words & known  # a new item, never one a dataset asks about
     assert len({truth for _, truth in got}) > 1
+
+
+def test_fresh_claims_are_decided_by_their_passage(world):
+    from jaxrag.eval.probe import fresh_claim_questions
+
+    claims = fresh_claim_questions(world, 200)
+    asked = {ex.question for splits in world.datasets().values() for xs in splits.values() for ex in xs}
+    assert not asked & {q for q, _, _ in claims}
+    assert 80 <= sum(label == "true" for *_, label in claims) <= 120
+    for i, (claim, (passage,), label) in enumerate(claims):
+        assert claim.startswith("Claim: ") and label in ("true", "false")
+        if i % 2:  # a rule claim ends in its value, and its passage states the rule's value only
+            value = claim.removesuffix(". True or false?").split()[-1]
+            assert (f" {value}." in passage) == (label == "true"), (claim, passage)
+        else:  # a fact claim comes with its entity's passage
+            assert passage.split("\n")[0] in claim, (claim, passage)

@@ -10,7 +10,9 @@ reads but picks the wrong word (high) from one that ignores the passage (= accur
 (never in pretraining, never a test question): the base stage's reading gate reads it.
 `genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
 model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
-questions and for rule questions (the ARC-Challenge analogue).
+questions and for rule questions (the ARC-Challenge analogue). `claim_reading` is the accuracy of
+true/false judgements of fresh claims with the passage that decides them in context (FEVER's and
+PubHealth's condition, on either knowledge path); 0.5 is chance.
 """
 
 from __future__ import annotations
@@ -89,6 +91,33 @@ def fresh_rule_questions(world, n: int) -> list[tuple[str, str]]:
     return out
 
 
+def fresh_claim_questions(world, n: int) -> list[tuple[str, list[str], str]]:
+    """(claim, [the passage that decides it], "true"/"false"): alternately a claim about a fresh
+    entity with its passage, and a rule claim about a fresh item of the world's categories with
+    the rule applied to it (as a verbalization states it); a random stream of its own, so no
+    dataset of the world holds them."""
+    rng = random.Random(f"{world.config.seed}:fresh_claims")
+    names = NameMaker(rng, world.reserved_words())
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            draft, passages, _ = wp.fact_reading(world, "claim", 1, names, rng)
+        else:
+            category = rng.choice(world.categories)
+            prop, item = rng.choice(wt.RULE_PROPERTIES[category.domain]), names.word()
+            draft = wp.rule_example(category, "claim", item, prop, rng)
+            passages = [wt.RULE_APPLICATIONS[prop].format(i=item, c=category.name, v=category.properties[prop])]
+        out.append((draft.question, passages, draft.golden_answers[0]))
+    return out
+
+
+def fresh_claim_reading(model, world, n: int) -> float:
+    """Accuracy of true/false answers on `n` fresh claims, the deciding passage in context."""
+    questions = fresh_claim_questions(world, n)
+    answers = _answers(model, [base_prompt_text(q, p) for q, p, _ in questions])
+    return answer_scores(answers, [a for *_, a in questions])["accuracy"]
+
+
 def fresh_rule_verbalization(model, world, n: int, verbal_tokens: int) -> float:
     """Fraction of greedy GenRead documents that state the rule, on `n` fresh rule questions."""
     questions = fresh_rule_questions(world, n)
@@ -134,4 +163,5 @@ def probe_world_knowledge(model, world, n: int, verbal_tokens: int = 48) -> dict
     docs = _answers(model, [genread_prompt_text(ex.prompt_question()) for ex in rules], verbal_tokens)
     out["genread_rule"] = states_answer(docs, [ex.golden_answers[0] for ex in rules])
     out["n_rule"] = len(rules)
+    out["claim_reading"] = fresh_claim_reading(model, world, 2 * n)
     return out
