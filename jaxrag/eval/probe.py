@@ -113,9 +113,7 @@ def fresh_claim_questions(world, n: int) -> list[tuple[str, list[str], str]]:
 
 def fresh_claim_reading(model, world, n: int) -> float:
     """Accuracy of true/false answers on `n` fresh claims, the deciding passage in context."""
-    questions = fresh_claim_questions(world, n)
-    answers = _answers(model, [base_prompt_text(q, p) for q, p, _ in questions])
-    return answer_scores(answers, [a for *_, a in questions])["accuracy"]
+    return _accuracy_in_context(model, fresh_claim_questions(world, n))
 
 
 def fresh_rule_verbalization(model, world, n: int, verbal_tokens: int) -> float:
@@ -127,7 +125,11 @@ def fresh_rule_verbalization(model, world, n: int, verbal_tokens: int) -> float:
 
 def fresh_reading(model, world, n: int) -> float:
     """Accuracy with the gold passage in context on `n` fresh-entity fact questions."""
-    questions = fresh_reading_questions(world, n)
+    return _accuracy_in_context(model, fresh_reading_questions(world, n))
+
+
+def _accuracy_in_context(model, questions: list[tuple[str, list[str], str]]) -> float:
+    """Accuracy on (question, passages, answer) triples, the passages in the prompt."""
     answers = _answers(model, [base_prompt_text(q, p) for q, p, _ in questions])
     return answer_scores(answers, [a for *_, a in questions])["accuracy"]
 
