@@ -184,8 +184,8 @@ def tiny_config(family: str) -> ConfigDict:
     # results were read; never re-chosen per run or per seed. Last chosen for stage 1 at 12
     # epochs (world version 2, last-layer keys, k 10): SR-RAG's p_M x p_D 0.25 (validation 0.751
     # at 29% retrieval; 0.35, the 6-epoch recipe's choice: 0.732 at 19%; 0.2, the paper's Qwen
-    # value: 0.742 at 32%); Selective RAG's p(<Wiki>) 0.75 (0.755 at 22%; the paper's 0.2: 0.741
-    # at ~65%). At 6 epochs Selective RAG's p(<Wiki>) sat at 0.85-0.95 for nearly every question
+    # value: 0.742 at 32%); Selective RAG's p(<Wiki>) 0.75 (0.755 at 22%; the paper's 0.2: 0.735
+    # at 60%). At 6 epochs Selective RAG's p(<Wiki>) sat at 0.85-0.95 for nearly every question
     # and its constant was 0.95.
     cfg.inference.update(tau=0.25, selective_tau=0.75)
     cfg.baselines.update(seakr_samples=5, max_train_questions=400)
