@@ -88,6 +88,8 @@ def paper_config(family: str) -> ConfigDict:
     # count. 8: on the README's 8 devices the batch of 64 in one pass; on fewer it accumulates
     # instead of growing per-device memory (one 80 GB GPU with LoRA fits, `jaxrag.plan`).
     run = dict(per_device_batch_size=8, checkpoint_every=200, keep_checkpoints=3, log_every=10)
+    # token_lr_scale: the SR-RAG tokens' rows learn at lr x this (the paper: one lr for all).
+    run.update(token_lr_scale=1.0)
     cfg.stage1 = ConfigDict(dict(batch_size=64, lr=1e-5, epochs=1, warmup_ratio=0.03,
                                  weight_decay=0.0, grad_clip=1.0, extra_passages_lambda=2.0, **run))
     cfg.stage2 = ConfigDict(dict(batch_size=64, lr=5e-7, epochs=1, warmup_ratio=0.03,

@@ -192,3 +192,31 @@ def test_kill_9_then_rerun_resumes_to_the_same_parameters(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params_of(resumed), params_of(straight))
     log = read_metrics(tmp_path / "straight")
     assert log[-1]["loss"] < log[0]["loss"]
+
+
+def test_token_rows_step_token_lr_scale_times_as_far():
+    """One AdamW step: the SR-RAG tokens' rows (embed rows, lm_head columns; under LoRA the whole
+    token_rows tree) move token_lr_scale times as far as at scale 1, everything else the same."""
+    from jaxrag.train.trainer import TrainSpec, make_optimizer
+
+    rng = np.random.default_rng(0)
+    full = {"embed": rng.normal(size=(6, 4)), "lm_head": rng.normal(size=(4, 6)), "w": rng.normal(size=(4, 4))}
+    lora = {"q_lora_a": rng.normal(size=(4, 2)), "token_rows": {"embed": rng.normal(size=(2, 4))}}
+    for params in (full, lora):
+        params = jax.tree.map(lambda x: jax.numpy.asarray(x, "float32"), params)
+        grads = jax.tree.map(lambda x: x * 0.1 + 0.05, params)
+
+        def step(scale):
+            spec = TrainSpec("stage1", 4, 1e-2, 10, token_lr_scale=scale, token_ids=(4, 5))
+            tx = make_optimizer(spec)
+            return tx.update(grads, tx.init(params), params)[0]
+        base, fast = step(1.0), step(7.0)
+        want = jax.tree.map(np.array, base)
+        if "embed" in want:
+            want["embed"][4:] *= 7.0
+            want["lm_head"][:, 4:] *= 7.0
+        else:
+            want["token_rows"]["embed"] *= 7.0
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), fast, want)
+    with pytest.raises(JaxragError, match="stage1.token_lr_scale=0"):
+        TrainSpec.from_section("stage1", {"batch_size": 4, "lr": 1e-3, "token_lr_scale": 0}, 10, 0)

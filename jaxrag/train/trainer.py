@@ -6,7 +6,9 @@
   tokens' rows, with the frozen rest passed to the step as an argument (never in the optimizer
   state or the checkpoints).
 - Optimiser: gradient clipping + AdamW (no decay on 1-D params) with linear warm-up and
-  linear decay to zero; f32 master weights, compute in the decoder's dtype (bf16 on
+  linear decay to zero; the SR-RAG tokens' rows (`token_ids`) step `token_lr_scale` times as
+  far as the rest (new rows start far from where they must go; see `scale_token_rows`);
+  f32 master weights, compute in the decoder's dtype (bf16 on
   accelerators with `dtype="auto"`).
 - One jitted step with donated state. The global batch (config `batch_size`) is split into
   `accumulation_steps` micro-batches scanned in sequence, so the batch is the configured one on
@@ -34,7 +36,7 @@ from flax import nnx
 from jaxrag import lanes, sharding
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import REMAT_POLICIES, Decoder, LoraDropout, positions_from_segments
-from jaxrag.models.lora import Trainable
+from jaxrag.models.lora import ROWS, Trainable
 from jaxrag.train.checkpoint import Checkpoints, abstract_like
 from jaxrag.train.losses import Forward, LossTerms, target_logprobs, token_logprobs
 from jaxrag.train.metrics import MetricsLogger
@@ -58,14 +60,20 @@ class TrainSpec:
     log_every: int = 10
     seed: int = 0
     remat: str = "none"  # config `model.remat`: what the backward pass keeps per layer (REMAT_POLICIES)
+    token_lr_scale: float = 1.0  # the learning rate of the `token_ids` rows, relative to `lr`
+    token_ids: tuple[int, ...] = ()  # the SR-RAG tokens' ids (rows of embed, columns of lm_head)
 
     @classmethod
-    def from_section(cls, name: str, section, total_steps: int, seed: int, remat: str = "none") -> TrainSpec:
+    def from_section(cls, name: str, section, total_steps: int, seed: int, remat: str = "none",
+                     token_ids: tuple[int, ...] = ()) -> TrainSpec:
         if remat not in REMAT_POLICIES:
             raise JaxragError(f"config model.remat={remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
-        fields = {f.name for f in dataclasses.fields(cls)} - {"name", "total_steps", "seed", "remat"}
-        return cls(name=name, total_steps=total_steps, seed=seed, remat=remat,
+        fields = {f.name for f in dataclasses.fields(cls)} - {"name", "total_steps", "seed", "remat", "token_ids"}
+        spec = cls(name=name, total_steps=total_steps, seed=seed, remat=remat, token_ids=tuple(token_ids),
                    **{k: section[k] for k in fields if k in section})
+        if not spec.token_lr_scale > 0:
+            raise JaxragError(f"config {name}.token_lr_scale={spec.token_lr_scale}: must be positive")
+        return spec
 
 
 def learning_rate(spec: TrainSpec) -> optax.Schedule:
@@ -80,12 +88,37 @@ def learning_rate(spec: TrainSpec) -> optax.Schedule:
     return schedule
 
 
+def scale_token_rows(token_ids: tuple[int, ...], scale: float) -> optax.GradientTransformation:
+    """Multiplies the updates of the SR-RAG tokens' rows (embed[ids], lm_head[:, ids]; under
+    LoRA the whole `token_rows` tree, which holds just those rows) by `scale`. Adam moves every
+    weight about lr per step whatever its gradient, so a new token's logit, which starts many
+    nats from its target, is slow to move through its own rows; the rest of the network then
+    bends its hidden states to the new tokens instead, and forgets what it read before."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+
+    def apply(updates, params=None):
+        del params
+        if scale == 1.0 or not token_ids:
+            return updates
+        updates = dict(updates)
+        if ROWS in updates:
+            updates[ROWS] = jax.tree.map(lambda u: u * scale, updates[ROWS])
+            return updates
+        if "embed" in updates:
+            updates["embed"] = updates["embed"].at[ids].multiply(scale)
+        if "lm_head" in updates:
+            updates["lm_head"] = updates["lm_head"].at[:, ids].multiply(scale)
+        return updates
+    return optax.stateless(apply)
+
+
 def make_optimizer(spec: TrainSpec) -> optax.GradientTransformation:
     clip = spec.grad_clip if spec.grad_clip > 0 else math.inf
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not norms/biases
     return optax.chain(optax.clip_by_global_norm(clip),
                        optax.adamw(learning_rate(spec), b1=0.9, b2=0.999, eps=1e-8,
-                                   weight_decay=spec.weight_decay, mask=decay_mask))
+                                   weight_decay=spec.weight_decay, mask=decay_mask),
+                       scale_token_rows(spec.token_ids, spec.token_lr_scale))
 
 
 def accumulation_steps(spec: TrainSpec, mesh) -> int:
