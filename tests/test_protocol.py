@@ -144,14 +144,16 @@ def test_no_dpo_stage_runs_the_stage1_objective(monkeypatch, tmp_path):
     monkeypatch.setattr(stages, "RecordData", FakeData)
     monkeypatch.setattr(stages, "as_records", lambda records, sources: records)
     cfg = tiny_config("qwen2")
+    ids = {"<EOQ>": 7, "<Wiki>": 8, "<Self>": 9, "<EOK>": 10}
     model = type("M", (), {"sources": ("wiki", "self"), "tokenizer": None, "decoder": None,
-                           "config": types.SimpleNamespace(lora_rank=0)})()
+                           "config": types.SimpleNamespace(lora_rank=0), "token_id": lambda self, t: ids[t]})()
     with pytest.raises(StopIteration):
         stages.train_stage2_no_dpo(model, [], cfg, tmp_path)
     assert seen["objective"] is losses.stage1_objective and not seen["pairs"]
     s2 = cfg.stage2
     assert seen["spec"].lr == s2.lr and seen["spec"].batch_size == s2.batch_size
     assert seen["spec"].total_steps == s2.epochs * -(-40 // s2.batch_size)
+    assert seen["spec"].token_ids == (7, 8, 9, 10) and seen["spec"].token_lr_scale == s2.token_lr_scale
     assert seen["fingerprint"]["task"] == "stage2_no_dpo" and not seen["trainable"].lora  # full FT: all trains
 
 
