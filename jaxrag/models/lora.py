@@ -92,11 +92,10 @@ class Trainable:
     def for_model(cls, model, base_dtype: str = "auto", dropout: float = 0.0) -> Trainable:
         if not model.config.lora_rank:
             return cls()
-        from jaxrag.models.tokens import srrag_tokens
+        from jaxrag.models.tokens import srrag_token_ids
         if not 0.0 <= dropout < 1.0:
             raise JaxragError(f"config model.lora.dropout={dropout}: must be in [0, 1)")
-        ids = tuple(model.token_id(t) for t in srrag_tokens(model.sources)) if model.sources else ()
-        return cls(True, ids, jnp.dtype(resolve_dtype(base_dtype)).name, float(dropout))
+        return cls(True, srrag_token_ids(model), jnp.dtype(resolve_dtype(base_dtype)).name, float(dropout))
 
     def split(self, params: dict) -> tuple[dict, dict]:
         """Full pure-dict params -> (trainable, frozen). Frozen keeps every leaf (adapters and

@@ -28,6 +28,11 @@ def srrag_tokens(sources: Sequence[str] = DEFAULT_SOURCES) -> list[str]:
     return [EOQ, *(source_token(s) for s in sources), EOK]
 
 
+def srrag_token_ids(model) -> tuple[int, ...]:
+    """A jaxrag Model's SR-RAG token ids in `srrag_tokens` order (() for a model without them)."""
+    return tuple(model.token_id(t) for t in srrag_tokens(model.sources)) if model.sources else ()
+
+
 def add_srrag_tokens(tokenizer, sources: Sequence[str] = DEFAULT_SOURCES) -> list[int]:
     """Adds the SR-RAG tokens to a transformers tokenizer as atomic special tokens.
 

@@ -29,7 +29,7 @@ from jaxrag import lanes, sharding
 from jaxrag.errors import JaxragError
 from jaxrag.models.lora import Trainable, add_lora
 from jaxrag.models.model import Model, load_model, save_model
-from jaxrag.models.tokens import srrag_tokens
+from jaxrag.models.tokens import srrag_token_ids
 from jaxrag.train import losses
 from jaxrag.train.batches import RecordData, TextData, as_records
 from jaxrag.train.trainer import TrainSpec, accumulation_steps, fit, forward_fn
@@ -97,8 +97,8 @@ def _stage_setup(model: Model, records, cfg, name: str, pairs: bool):
     data = RecordData(recs, model.tokenizer, int(cfg.model.max_length),
                       float(section.get("extra_passages_lambda", 0.0)), int(cfg.seed), pairs=pairs)
     steps = int(section.epochs) * math.ceil(len(data) / int(section.batch_size))
-    ids = tuple(model.token_id(t) for t in srrag_tokens(model.sources))
-    spec = TrainSpec.from_section(name, section, steps, int(cfg.seed), cfg.model.get("remat", "none"), ids)
+    spec = TrainSpec.from_section(name, section, steps, int(cfg.seed), cfg.model.get("remat", "none"),
+                                  srrag_token_ids(model))
     fingerprint = {"task": name, "batch_size": spec.batch_size, "steps": steps, "examples": len(data),
                    "max_length": data.max_length, "seed": spec.seed, "token_lr_scale": spec.token_lr_scale}
     if model.config.lora_rank:
