@@ -44,6 +44,15 @@ def test_claims_per_seed_and_pooled_with_a_t_interval(tmp_path, capsys):
     assert "| SR-RAG - Selective RAG (accuracy) | +0.100 [+0.070, +0.130] |" in table
 
 
+def test_one_seed_has_no_t_interval(tmp_path, capsys):
+    run = write_run(tmp_path / "s0", 0, {"selective_rag": 0.04}, 0.01)
+    assert main([str(run), "--json", str(tmp_path / "out.json")]) == 0
+    out = json.loads((tmp_path / "out.json").read_text())  # strict JSON: no NaN
+    assert out["claims"]["SR-RAG - Selective RAG (accuracy)"]["t95"] is None
+    table = capsys.readouterr().out
+    assert "| 1 / 0 of 1 | +0.040 (no interval from one seed) |" in table and "nan" not in table
+
+
 def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
     a = write_run(tmp_path / "a", 0, {"selective_rag": 0.1}, 0.0)
     b = write_run(tmp_path / "b", 1, {"selective_rag": 0.1}, 0.0, tau=0.3)

@@ -95,7 +95,8 @@ def summarize(results: dict[str, dict]) -> dict:
             "per_seed": {str(s): {"diff": c["diff"], "ci95": c["ci95"]} for s, c in rows},
             "above_noise": sum(c["ci95"][0] > 0 for _, c in rows),
             "below_noise": sum(c["ci95"][1] < 0 for _, c in rows),
-            "mean": float(np.mean(diffs)), "t95": list(t_interval(diffs)), "seeds": len(rows)}
+            "mean": float(np.mean(diffs)), "t95": list(t_interval(diffs)) if len(diffs) > 1 else None,  # one seed: no t-interval
+            "seeds": len(rows)}
     srrag = {str(seeds[w]): r["average"]["srrag"] for w, r in results.items()}
     return {"seeds": [seeds[w] for w in results], "claims": claims,
             "srrag_retrieval_at_most_80": sum(a["rag_frac"] <= 0.8 for a in srrag.values()),
@@ -116,9 +117,9 @@ def table(summary: dict) -> str:
     for label, c in summary["claims"].items():
         cells = [f"{_signed(v['diff'])} [{_signed(v['ci95'][0])}, {_signed(v['ci95'][1])}]" if v else "–"
                  for v in (c["per_seed"].get(str(s)) for s in summary["seeds"])]
-        lo, hi = c["t95"]
+        t95 = f"[{_signed(c['t95'][0])}, {_signed(c['t95'][1])}]" if c["t95"] else "(no interval from one seed)"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {c['above_noise']} / {c['below_noise']} of "
-                     f"{c['seeds']} | {_signed(c['mean'])} [{_signed(lo)}, {_signed(hi)}] |")
+                     f"{c['seeds']} | {_signed(c['mean'])} {t95} |")
     return "\n".join(lines)
 
 
