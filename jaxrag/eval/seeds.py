@@ -95,7 +95,8 @@ def summarize(results: dict[str, dict]) -> dict:
             "per_seed": {str(s): {"diff": c["diff"], "ci95": c["ci95"]} for s, c in rows},
             "above_noise": sum(c["ci95"][0] > 0 for _, c in rows),
             "below_noise": sum(c["ci95"][1] < 0 for _, c in rows),
-            "mean": float(np.mean(diffs)), "t95": list(t_interval(diffs)) if len(diffs) > 1 else None,  # one seed: no t-interval
+            # one seed has no t-interval: null, not NaN (strict JSON)
+            "mean": float(np.mean(diffs)), "t95": list(t_interval(diffs)) if len(diffs) > 1 else None,
             "seeds": len(rows)}
     srrag = {str(seeds[w]): r["average"]["srrag"] for w, r in results.items()}
     return {"seeds": [seeds[w] for w in results], "claims": claims,
