@@ -71,15 +71,15 @@ def load(workdirs: list[Path]) -> dict[str, dict]:
     return results
 
 
-def t_interval(values: list[float]) -> tuple[float, float]:
-    """95% t-interval of the mean over seeds (NaN with fewer than two seeds)."""
+def t_interval(values: list[float]) -> list[float] | None:
+    """95% t-interval of the mean over seeds; None with fewer than two (null in JSON, not NaN)."""
     from scipy import stats
 
     x = np.asarray(values, np.float64)
     if len(x) < 2:
-        return math.nan, math.nan
+        return None
     half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-    return float(x.mean() - half), float(x.mean() + half)
+    return [float(x.mean() - half), float(x.mean() + half)]
 
 
 def summarize(results: dict[str, dict]) -> dict:
@@ -95,9 +95,7 @@ def summarize(results: dict[str, dict]) -> dict:
             "per_seed": {str(s): {"diff": c["diff"], "ci95": c["ci95"]} for s, c in rows},
             "above_noise": sum(c["ci95"][0] > 0 for _, c in rows),
             "below_noise": sum(c["ci95"][1] < 0 for _, c in rows),
-            # one seed has no t-interval: null, not NaN (strict JSON)
-            "mean": float(np.mean(diffs)), "t95": list(t_interval(diffs)) if len(diffs) > 1 else None,
-            "seeds": len(rows)}
+            "mean": float(np.mean(diffs)), "t95": t_interval(diffs), "seeds": len(rows)}
     srrag = {str(seeds[w]): r["average"]["srrag"] for w, r in results.items()}
     return {"seeds": [seeds[w] for w in results], "claims": claims,
             "srrag_retrieval_at_most_80": sum(a["rag_frac"] <= 0.8 for a in srrag.values()),
