@@ -145,13 +145,17 @@ def test_no_question_or_fact_leaks(world):
     asked: dict[tuple, tuple] = {}
     for name, split, e in items:
         m = e.metadata
-        facts = ([(m["entity"], m["attribute"])] if m["kind"] == "fact" else
+        first = (m.get("entity"), m.get("attribute"))
+        facts = ([first] if m["kind"] == "fact" else
                  [(i, m["attribute"]) for i in m["entities"]] if m["kind"] == "ambiguous" else
-                 [("item", m["item"])])
+                 # a chain consumes its first fact unless pretraining states that one as QA
+                 [("chain", *first), *[first][:first not in set(world.pretrain_facts)]]
+                 if m["kind"] == "chain" else [("item", m["item"])])
         for fact in facts:
             assert fact not in asked, f"{fact} asked in {asked.get(fact)} and {(name, split)}"
             asked[fact] = (name, split)
     assert not set(world.pretrain_facts) & set(asked)
+    assert not {("chain", *c) for c in world.pretrain_chains} & set(asked)
 
 
 def truths(world, example) -> list[str]:
@@ -161,6 +165,10 @@ def truths(world, example) -> list[str]:
         return [world.entity(i).attributes[m["attribute"]] for i in m["entities"]]
     if m["kind"] == "fact":
         return [world.entity(m["entity"]).attributes[m["attribute"]]]
+    if m["kind"] == "chain":  # the fact of the entity the subject's link names
+        linked = world.entity(m["via"])
+        assert linked.name == world.entity(m["entity"]).attributes[m["attribute"]]
+        return [linked.attributes[m["via_attribute"]]]
     category = next(c for c in world.categories if c.name == m["category"])
     return [category.properties[m["property"]]]
 
@@ -234,8 +242,10 @@ def test_eval_sets_mirror_their_originals(world):
 
 def phrasing(example) -> str:
     """Which of world_text's question styles an entity-fact question is phrased in."""
-    spec = wt.ATTRIBUTES[example.metadata["entity_type"]][example.metadata["attribute"]]
-    return next(style for style, template in spec.questions.items()
+    m = example.metadata
+    questions = (wt.CHAINS[(m["entity_type"], m["attribute"])][1] if m["kind"] == "chain" else
+                 wt.ATTRIBUTES[m["entity_type"]][m["attribute"]].questions)
+    return next(style for style, template in questions.items()
                 if re.fullmatch(re.escape(template).replace(re.escape("{n}"), ".+"), example.question))
 
 

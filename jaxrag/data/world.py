@@ -19,7 +19,8 @@ from pathlib import Path
 
 from jaxrag.data.schema import QAExample, write_examples, write_jsonl
 from jaxrag.data.world_corpus import build_corpus
-from jaxrag.data.world_datasets import DatasetBuilder, RuleItem, pretrain_facts
+from jaxrag.data import world_text as wt
+from jaxrag.data.world_datasets import DatasetBuilder, RuleItem, pretrain_chains, pretrain_facts
 from jaxrag.data.world_entities import (
     Category,
     Entity,
@@ -42,7 +43,9 @@ class WorldConfig:
     # The generator's version, raised whenever the same fields give another world, so that a
     # workdir built by an older generator is refused (provenance) instead of silently reused.
     # 2 (2026-11-27): NQ's questions come in every phrasing (world_datasets.QUESTION_STYLE).
-    version: int = 2
+    # 3 (2026-11-28): links by preferential attachment and chain questions, facts usable only
+    # after verbalizing them (world_text.CHAINS).
+    version: int = 3
     num_persons: int = 300
     num_cities: int = 100
     num_companies: int = 100
@@ -58,8 +61,9 @@ class WorldConfig:
     head_min_mentions: int = 6  # bios per epoch that make an entity "head"
     pretrain_qa_fraction: float = 0.35  # head facts also stated as QA in pretraining
     pretrain_qa_repeats: int = 2
+    pretrain_chain_fraction: float = 0.3  # head subjects' chains verbalized in pretraining
     # Noise: per known entity (namesake) or per known fact (stale, conflict); rules.
-    namesake_rate: float = 0.15
+    namesake_rate: float = 0.2
     stale_rate: float = 0.2
     conflict_rate: float = 0.15
     rule_coverage_rate: float = 0.3  # a rule/item passage states the true value
@@ -98,6 +102,7 @@ class World:
     categories: tuple[Category, ...]
     items: tuple[RuleItem, ...]  # the items rule questions name (each has a corpus passage)
     pretrain_facts: tuple[tuple[str, str], ...]  # (entity id, attribute) shown as QA
+    pretrain_chains: tuple[tuple[str, str], ...]  # (entity id, link) verbalized as a chain
     passages: tuple[dict[str, str], ...]
     splits: dict[str, dict[str, tuple[QAExample, ...]]]
 
@@ -119,6 +124,12 @@ class World:
 
     def pretrain_qa_facts(self) -> list[tuple[Entity, str]]:
         return [(self.entity(i), a) for i, a in self.pretrain_facts]
+
+    def pretrain_chain_facts(self) -> list[tuple[Entity, str, Entity]]:
+        """(subject, link attribute, linked entity) of the chains pretraining verbalizes."""
+        known = {(e.type, e.name): e for e in self.entities if not e.namesake_of}
+        return [(s, a, known[(wt.LINKS[s.type][a], s.attributes[a])])
+                for s, a in ((self.entity(i), a) for i, a in self.pretrain_chains)]
 
     def corpus(self) -> list[dict[str, str]]:
         """Passages as `{"id", "contents": "title\\ntext"}`."""
@@ -158,6 +169,7 @@ class World:
             "categories": [asdict(c) for c in self.categories],
             "items": [asdict(i) for i in self.items],
             "pretrain_qa_facts": [list(f) for f in self.pretrain_facts],
+            "pretrain_chains": [list(f) for f in self.pretrain_chains],
         }
 
 
@@ -171,12 +183,15 @@ def generate_world(cfg: WorldConfig = WorldConfig()) -> World:
     entities = make_entities(cfg, pools, rng("entities"))
     categories = make_categories(cfg, names, rng("rules"))
     reserved = pretrain_facts(cfg, entities, rng("pretrain-facts"))
-    builder = DatasetBuilder(cfg, entities, categories, pools, reserved, names, rng("datasets"))
+    chains = pretrain_chains(cfg, entities, rng("pretrain-chains"))
+    builder = DatasetBuilder(cfg, entities, categories, pools, reserved, chains, names,
+                             rng("datasets"))
     splits = builder.build()
     corpus = build_corpus(cfg, entities, categories, builder.items, pools["city"], rng("corpus"))
     return World(
         config=cfg, pools=pools, entities=tuple(entities), categories=tuple(categories),
-        items=tuple(builder.items), pretrain_facts=tuple(reserved), passages=tuple(corpus),
+        items=tuple(builder.items), pretrain_facts=tuple(reserved), pretrain_chains=tuple(chains),
+        passages=tuple(corpus),
         splits={n: {s: tuple(x) for s, x in d.items()} for n, d in splits.items()},
     )
 

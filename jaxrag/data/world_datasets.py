@@ -31,6 +31,9 @@ BUCKET_MIX = {
 # another attribute's value where the untuned model copied the right one (README, item 4).
 QUESTION_STYLE = {"popqa": ("popqa",), "triviaqa": ("trivia",), "nq": wt.QUESTION_STYLES,
                   "wow": ("popqa",)}
+# The share of a dataset's questions that are chain questions (world_text.CHAINS): TriviaQA's
+# quiz questions are often compositional, and NQ's training questions teach the router them.
+CHAIN_MIX = {"triviaqa": 0.3, "nq": 0.3}
 RULE_STYLE = {"obqa": "open", "arc_easy": "easy", "arc_challenge": "challenge"}
 RULE_DOMAINS = {"obqa": ("science", "health"), "arc_easy": ("science",),
                 "arc_challenge": ("science",), "pubhealth": ("health",)}
@@ -64,22 +67,44 @@ def pretrain_facts(cfg, entities: list[Entity], rng: random.Random) -> list[tupl
     return sorted(rng.sample(facts, round(len(facts) * cfg.pretrain_qa_fraction)))
 
 
+def chain_links(entities: list[Entity]) -> list[tuple[Entity, str, Entity]]:
+    """(subject, link attribute, linked entity) for every link of a non-namesake entity to a
+    head entity: chains whose second fact the model holds (namesakes share the linked name but
+    are obscure, so the name means the known entity)."""
+    known = {(e.type, e.name): e for e in entities if not e.namesake_of}
+    return [(e, a, known[(t, e.attributes[a])]) for e in entities if not e.namesake_of
+            for a, t in wt.LINKS.get(e.type, {}).items()
+            if known[(t, e.attributes[a])].bucket == "head"]
+
+
+def pretrain_chains(cfg, entities: list[Entity], rng: random.Random) -> list[tuple[str, str]]:
+    """Head subjects' chains that pretraining verbalizes (question, both facts, answer), so the
+    base learns to state a chain's facts before answering; never asked by a dataset."""
+    chains = [(e.id, a) for e, a, _ in chain_links(entities) if e.bucket == "head"]
+    return sorted(rng.sample(chains, round(len(chains) * cfg.pretrain_chain_fraction)))
+
+
 class DatasetBuilder:
     """Draws questions without replacement from the world's facts and fresh rule items."""
 
-    def __init__(self, cfg, entities, categories, pools, reserved_facts, names: NameMaker,
-                 rng: random.Random):
+    def __init__(self, cfg, entities, categories, pools, reserved_facts, reserved_chains,
+                 names: NameMaker, rng: random.Random):
         self.cfg, self.pools, self.names, self.rng = cfg, pools, names, rng
         self.entities = {e.id: e for e in entities}
         self.categories = categories
         self.items: list[RuleItem] = []
-        reserved = set(reserved_facts)
+        self.reserved = reserved = set(reserved_facts)
         self.facts = {b: [(e, a) for e in entities if e.bucket == b and not e.namesake_of
                           for a in e.attributes if (e.id, a) not in reserved] for b in BUCKETS}
         for facts in self.facts.values():
             rng.shuffle(facts)
         self.namesakes = [e for e in entities if e.namesake_of]
         rng.shuffle(self.namesakes)
+        skip = set(reserved_chains)
+        self.chains = {b: [c for c in chain_links(entities)
+                           if c[0].bucket == b and (c[0].id, c[1]) not in skip] for b in BUCKETS}
+        for chains in self.chains.values():
+            rng.shuffle(chains)
 
     def build(self) -> dict[str, dict[str, list[QAExample]]]:
         makers: dict[str, Callable[[str], QAExample | None]] = {
@@ -111,7 +136,45 @@ class DatasetBuilder:
         bucket = self.rng.choices([b for b, _ in available], [w for _, w in available])[0]
         return self.facts[bucket].pop()
 
+    def take_chain(self, mix: tuple[float, ...]) -> tuple[Entity, str, Entity] | None:
+        """A chain about a known subject (head or torso, by `mix`) whose first fact no question
+        has asked yet; the chain consumes that fact (one pretraining states in QA form stays
+        unasked; the chain's answer is another fact). (A tail subject's chain is unanswerable on
+        every path: the model holds neither its first fact nor, from a retrieved passage, the
+        second.)"""
+        for bucket, chains in self.chains.items():  # drop first facts a plain question took
+            free = {(e.id, a) for e, a in self.facts[bucket]} | self.reserved
+            chains[:] = [c for c in chains if (c[0].id, c[1]) in free]
+        available = [(b, w) for b, w in zip(BUCKETS[:2], mix[:2], strict=True) if self.chains[b]]
+        if not available:
+            return None
+        bucket = self.rng.choices([b for b, _ in available], [w for _, w in available])[0]
+        subject, attribute, linked = self.chains[bucket].pop()
+        if (subject.id, attribute) not in self.reserved:  # a pretraining QA fact is never asked
+            self.facts[bucket].remove((subject, attribute))
+        return subject, attribute, linked
+
+    def chain_question(self, name: str) -> QAExample | None:
+        chain = self.take_chain(BUCKET_MIX[name])
+        if chain is None:
+            return None
+        subject, attribute, linked = chain
+        second, questions = wt.CHAINS[(subject.type, attribute)]
+        misleading = linked.misleading.get(second)
+        metadata = {
+            **fact_metadata(subject, attribute), "kind": "chain", "via": linked.id,
+            "via_attribute": second, "hop_passage_id": subject.id, "gold_passage_id": linked.id,
+            "misleading_passage_id": misleading_passage_id(linked, second) if misleading else None,
+        }
+        return QAExample("", questions[self.style(name)].format(n=subject.name),
+                         (linked.attributes[second],), metadata=metadata)
+
     def fact_question(self, name: str) -> QAExample | None:
+        if name in CHAIN_MIX and self.rng.random() < CHAIN_MIX[name]:
+            return self.chain_question(name) or self.fact_question_single(name)
+        return self.fact_question_single(name)
+
+    def fact_question_single(self, name: str) -> QAExample | None:
         fact = self.take_fact(BUCKET_MIX[name])
         if fact is None:
             return None

@@ -92,8 +92,22 @@ def make_entities(cfg, pools: dict[str, tuple[str, ...]], rng: random.Random) ->
         _entity(f"{t}-{i:04d}", t, name, _random_attributes(t, pools, rng), rank, len(drafts), cfg)
         for i, ((t, name), rank) in enumerate(zip(drafts, ranks, strict=True))
     ]
-    entities = [_with_misleading(e, pools, cfg, rng) for e in entities]
+    entities = [_with_misleading(_attached(e, entities, rng), pools, cfg, rng) for e in entities]
     return entities + _namesakes(entities, pools, cfg, rng)
+
+
+def _attached(entity: Entity, entities: list[Entity], rng: random.Random) -> Entity:
+    """Links by preferential attachment, as in the real world (people are born in big cities and
+    work for big firms): the linked entity is drawn with weight mentions + 1, so most links name
+    a known entity, and a chain question's second fact is one the model holds (world version 3)."""
+    links = wt.LINKS.get(entity.type, {})
+    if not links:
+        return entity
+    attributes = dict(entity.attributes)
+    for attribute, target_type in links.items():
+        targets = [e for e in entities if e.type == target_type]
+        attributes[attribute] = rng.choices(targets, [e.mentions + 1 for e in targets])[0].name
+    return replace(entity, attributes=attributes)
 
 
 def _entity_names(entity_type: str, cfg, pools, rng: random.Random) -> list[str]:

@@ -3,7 +3,8 @@
 Parts: `bio` (each known entity's facts, `mentions` times, in varied phrasings), `rule` (rules and
 worked applications; the corpus covers rules poorly), `qa` (closed-book QA for reserved head
 facts and for rules, so knowledge transfers to question form), `verbalize` (questions answered
-with a knowledge document from memory, in SR-RAG's and GenRead's formats) and `rc` (reading
+with a knowledge document from memory, in SR-RAG's and GenRead's formats; chain questions with
+both their facts, never in closed-book form) and `rc` (reading
 comprehension over FRESH entities with random values, so the model learns to copy from context
 rather than memorise a fixed pool; each example asks every fact its passages state, so one
 passage teaches several copies).
@@ -118,6 +119,12 @@ def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tup
         # cut at the token budget then still states it.
         question = fact_question(entity, attribute, rng)
         texts.append(verbalized(question, bio(entity, rng, attribute), entity.attributes[attribute], rng))
+    for subject, attribute, linked in world.pretrain_chain_facts():
+        # Both facts, in the order the answer needs them: the chain's verbalization.
+        second, questions = wt.CHAINS[(subject.type, attribute)]
+        question = questions[rng.choice(wt.QUESTION_STYLES)].format(n=subject.name)
+        texts.append(verbalized(question, chain_document(subject, attribute, linked, rng),
+                                linked.attributes[second], rng))
     for _ in range(world.config.rule_verbalize_per_epoch):
         category, item = rng.choice(world.categories), names.word()
         prop = rng.choice(tuple(category.properties))
@@ -129,6 +136,14 @@ def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tup
         document = " ".join(templates).format(c=category.name, v=category.properties[prop], i=item)
         texts.append(verbalized(ex.prompt_question(), document, ex.golden_answers[0], rng))
     return texts
+
+
+def chain_document(subject: Entity, attribute: str, linked: Entity, rng: random.Random) -> str:
+    """A chain's two facts: the subject's link, then the linked entity's asked fact."""
+    second = wt.CHAINS[(subject.type, attribute)][0]
+    return " ".join(
+        rng.choice(wt.ATTRIBUTES[e.type][a].statements).format(n=e.name, v=e.attributes[a])
+        for e, a in ((subject, attribute), (linked, second)))
 
 
 def verbalized(question: str, document: str, answer: str, rng: random.Random) -> tuple[str, ...]:

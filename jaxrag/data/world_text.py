@@ -132,6 +132,36 @@ ATTRIBUTES: dict[str, dict[str, AttributeSpec]] = {
     },
 }
 
+# Attributes whose value names another entity of the world (a city or a company).
+LINKS = {
+    "person": {"born_in": "city", "employer": "company"}, "company": {"headquarters": "city"},
+    "band": {"hometown": "city", "label": "company"},
+}
+# Chain questions (world version 3): the answer is a fact of the entity the subject's link names
+# ("In what country was X born?" = the country of X's birthplace). A model that knows both facts
+# answers one only after stating the first, the compositionality gap of real LMs, so these are
+# the world's facts usable only after verbalizing them. (type, link) -> (attribute of the
+# linked entity, question per style).
+CHAINS: dict[tuple[str, str], tuple[str, dict[str, str]]] = {
+    ("person", "born_in"): ("country", {
+        "popqa": "In what country was {n} born?", "nq": "what country was {n} born in",
+        "trivia": "In which country is the birthplace of {n}?"}),
+    ("person", "employer"): ("headquarters", {
+        "popqa": "In what city is {n}'s employer headquartered?",
+        "nq": "where is the company {n} works for based",
+        "trivia": "In which city is the firm that employs {n} based?"}),
+    ("company", "headquarters"): ("country", {
+        "popqa": "In what country is {n} headquartered?", "nq": "what country is {n} based in",
+        "trivia": "In which country does the company {n} have its head office?"}),
+    ("band", "hometown"): ("country", {
+        "popqa": "In what country was the band {n} formed?",
+        "nq": "what country is the band {n} from",
+        "trivia": "Which country is the hometown of the band {n} in?"}),
+    ("band", "label"): ("headquarters", {
+        "popqa": "Where is the record label of {n} based?", "nq": "where is {n}'s record label based",
+        "trivia": "In which city is the label that releases {n} headquartered?"}),
+}
+
 # The attribute that tells namesakes apart, and how a disambiguated name reads.
 DISAMBIGUATOR = {"person": "occupation", "city": "country", "company": "sector", "band": "genre"}
 DISAMBIGUATED_NAME = {

@@ -8,7 +8,7 @@ is the fraction of answers whose first word occurs in the gold passage: it tells
 reads but picks the wrong word (high) from one that ignores the passage (= accuracy).
 `fresh_reading` is the accuracy with the gold passage on fact questions about fresh entities
 (never in pretraining, never a test question): the base stage's reading gate reads it.
-`genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
+`chain_*`: see `chain_knowledge`. `genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
 model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
 questions and for rule questions (the ARC-Challenge analogue). `claim_reading` is the accuracy of
 true/false judgements of fresh claims with the passage that decides them in context (FEVER's and
@@ -28,7 +28,7 @@ from jaxrag.eval.metrics import normalize_answer
 from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text
 
 EVAL_SETS = ("popqa", "triviaqa")
-BUCKETS = {"head": "popular", "tail": "tail"}
+BUCKETS = {"head": "popular", "torso": "torso", "tail": "tail"}
 
 
 def _answers(model, prompts: list[str], max_new: int = 6, batch_size: int = 32) -> list[str]:
@@ -134,6 +134,24 @@ def _accuracy_in_context(model, questions: list[tuple[str, list[str], str]]) -> 
     return answer_scores(answers, [a for *_, a in questions])["accuracy"]
 
 
+def chain_knowledge(model, world, n: int, verbal_tokens: int, rng: random.Random) -> dict:
+    """Chain questions (world version 3) about head subjects: answered directly
+    (`closed_book_chain`), whether a greedy GenRead document states the answer
+    (`genread_chain`), and answered from that document (`chain_after_verbalizing`): the world's
+    knowledge usable only after verbalizing it shows as the last far above the first."""
+    chains = [ex for name in EVAL_SETS for ex in world.datasets()[name]["test"]
+              if ex.metadata["kind"] == "chain" and ex.metadata["bucket"] == "head"]
+    chains = rng.sample(chains, min(n, len(chains)))
+    golds = [ex.golden_answers[0] for ex in chains]
+    closed = _answers(model, [base_prompt_text(ex.question) for ex in chains])
+    docs = _answers(model, [genread_prompt_text(ex.question) for ex in chains], verbal_tokens)
+    read = _answers(model, [base_prompt_text(ex.question, [d]) for ex, d in zip(chains, docs)])
+    return {"closed_book_chain": answer_scores(closed, golds)["accuracy"],
+            "genread_chain": states_answer(docs, golds),
+            "chain_after_verbalizing": answer_scores(read, golds)["accuracy"],
+            "n_chain": len(chains)}
+
+
 def probe_world_knowledge(model, world, n: int, verbal_tokens: int = 48) -> dict:
     """Accuracies on up to `n` test questions per bucket, from the PopQA/TriviaQA analogues;
     GenRead documents of up to `verbal_tokens` tokens."""
@@ -141,7 +159,7 @@ def probe_world_knowledge(model, world, n: int, verbal_tokens: int = 48) -> dict
     by_bucket: dict[str, list] = {b: [] for b in BUCKETS}
     for name in EVAL_SETS:
         for ex in world.datasets()[name]["test"]:
-            if ex.metadata.get("bucket") in by_bucket and ex.metadata.get("gold_passage_id"):
+            if ex.metadata["kind"] == "fact" and ex.metadata["bucket"] in by_bucket:
                 by_bucket[ex.metadata["bucket"]].append(ex)
     rng = random.Random(0)
     out = {}
@@ -160,6 +178,7 @@ def probe_world_knowledge(model, world, n: int, verbal_tokens: int = 48) -> dict
         if name == "popular":
             docs = _answers(model, [genread_prompt_text(ex.question) for ex in examples], verbal_tokens)
             out["genread_popular"] = states_answer(docs, golds)
+    out.update(chain_knowledge(model, world, n, verbal_tokens, rng))
     rules = world.datasets()["arc_challenge"]["test"]
     rules = rng.sample(rules, min(n, len(rules)))
     docs = _answers(model, [genread_prompt_text(ex.prompt_question()) for ex in rules], verbal_tokens)
