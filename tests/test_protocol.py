@@ -124,6 +124,22 @@ def test_table2_per_dataset_by_hand():
     assert sel2["auroc_ret_gt_verb"] == 0.0  # the one positive (0.1) ranks below all three negatives
 
 
+def test_accuracy_by_question_kind_by_hand():
+    """The world's question kinds per dataset: the method's ACC and % RAG, each path's own."""
+    paths = make_paths(["triviaqa"] * 4 + ["popqa"] * 2, [1, 1, 0, 1, 0, 1], [0, 0, 1, 1, 1, 0])
+    kinds = ["chain", "chain", "fact", "fact", "fact", "fact"]
+    paths.items = [(n, QAExample(ex.id, ex.question, ex.golden_answers, metadata={"kind": k}))
+                   for (n, ex), k in zip(paths.items, kinds)]
+    d = Decision(np.array([True, False, False, True, True, True]), None)
+    out = harness.by_kind(paths, d)
+    assert list(out) == ["popqa/fact", "triviaqa/chain", "triviaqa/fact"]
+    # chains: retrieved row 0 (ret 0), verbalized row 1 (verb 1) -> 0.5 at 50%; paths 0.0 / 1.0
+    assert out["triviaqa/chain"] == {"acc": 0.5, "rag_frac": 0.5, "n": 2, "acc_retrieval": 0.0,
+                                     "acc_other": 1.0}
+    assert out["triviaqa/fact"]["acc"] == 0.5 and out["popqa/fact"]["acc"] == 0.5
+    assert harness.by_kind(make_paths(["popqa"] * 2, [1, 0], [0, 1]), d) == {}  # real data: no kinds
+
+
 def test_no_dpo_stage_runs_the_stage1_objective(monkeypatch, tmp_path):
     from jaxrag.train import losses, stages
 

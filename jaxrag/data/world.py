@@ -4,7 +4,11 @@ Entities have one-word facts and Zipf popularity; pretraining text states popula
 facts many times and tail entities' never. A wiki corpus states every fact once, plus stale,
 conflicting and namesake passages for known entities, and covers the world's rules poorly or
 wrongly, so retrieval helps on the tail but sometimes hurts on the head and on rules — the
-trade-off SR-RAG learns to route around. Everything is a pure function of `WorldConfig`.
+trade-off SR-RAG learns to route around. Links (birthplace, employer, ...) name popular
+entities by preferential attachment, and chain questions ask a fact of the linked entity: a
+model that holds both facts answers them only after stating the first (verbalizing), and a
+retriever given the question finds the subject's passage, not the linked one's.
+Everything is a pure function of `WorldConfig`.
 """
 
 from __future__ import annotations

@@ -231,6 +231,23 @@ def summarize(paths: Paths, d: Decision) -> tuple[dict[str, dict], dict[str, flo
     return per, avg
 
 
+def by_kind(paths: Paths, d: Decision) -> dict[str, dict]:
+    """The embedded world's question kinds ("fact", "chain", "rule", ...) per dataset,
+    `"dataset/kind" -> {acc, rag_frac, n, acc_retrieval, acc_other}` (the last two: each path's
+    own accuracy); empty for data without `metadata["kind"]`."""
+    keys = np.array([f"{name}/{ex.metadata.get('kind')}" for name, ex in paths.items])
+    if not any(ex.metadata.get("kind") for _, ex in paths.items):
+        return {}
+    out = {}
+    for key in sorted(dict.fromkeys(keys.tolist())):
+        idx = np.flatnonzero(keys == key)
+        s = _stats(paths, d, idx)
+        out[key] = {"acc": s["acc"], "rag_frac": s["rag_frac"], "n": int(idx.size),
+                    "acc_retrieval": float(paths.correct[WIKI][idx].mean()),
+                    "acc_other": float(paths.correct[paths.other][idx].mean())}
+    return out
+
+
 def source_selection(paths: Paths, d: Decision) -> dict:
     """Table 2, per dataset and then averaged over datasets (the paper's layout): accuracy of not
     harming performance when abstaining (`source_selection_accuracy`: ties right either way),

@@ -132,6 +132,8 @@ class Evaluation:
         self.results["average"][m.name] = avg
         self.correct[m.name] = np.where(d.retrieve, test.correct[WIKI], test.correct[test.other])
         self.decisions[m.name] = (test, d)
+        if kinds := harness.by_kind(test, d):
+            self.results.setdefault("by_kind", {})[m.name] = kinds
         if d.score is not None:
             self.results["source_selection"][m.name] = harness.source_selection(test, d)
             self.results["curves"][m.name] = harness.sweep(test, d.score, d.seconds)

@@ -177,6 +177,17 @@ def latency_table(results: dict) -> str:
     return _table(header, rows) if rows else ""
 
 
+def kind_table(results: dict) -> str:
+    """The embedded world: ACC (% RAG) per dataset and question kind, with each method's two
+    paths' own accuracies (retrieval / the other path), so a gain can be traced to its questions."""
+    kinds = results.get("by_kind") or {}
+    rows = [[_name(m), key, str(e["n"]), f"{fmt_acc(e['acc'])} ({fmt_pct(e['rag_frac'])})",
+             fmt_acc(e["acc_retrieval"]), fmt_acc(e["acc_other"])]
+            for m in _method_order(kinds) for key, e in kinds[m].items()]
+    header = ["Method", "dataset/kind", "n", "ACC (% RAG)", "retrieval path", "other path"]
+    return _table(header, rows) if rows else ""
+
+
 def paper_table(results: dict) -> str:
     """Real models: the paper's Table 1 averages for the same family beside ours."""
     model = (results.get("config") or {}).get("model") or {}
@@ -273,6 +284,7 @@ def render_report(results: dict, images: Sequence[str] = ()) -> str:
         ("Table 2: source selection", table2(results)),
         ("Table 3: ablations (average over datasets)", table3(results)),
         ("Latency, measured in routed batches (App. B.2)", latency_table(results)),
+        ("By question kind (embedded world)", kind_table(results)),
         ("Data", data_table(results)),
         ("Training data construction", construct_table(results)),
     ]
