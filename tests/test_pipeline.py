@@ -101,8 +101,13 @@ def test_every_stage_leaves_its_artifact(workdir):
     assert probe["fresh_rule_verbalization"] == probe["verbalization_attempts"][kept]
     assert (workdir / "base_train" / "attempt1" / "model").is_dir()
     recall = json.loads((workdir / "index" / "retrieval_metrics.json").read_text())
-    assert set(recall) == {f"{name}@{k}" for name in ("popqa", "triviaqa", "pubhealth", "arc_challenge")
-                           for k in (2, 5)}
+    # every test set with a gold passage (a rule question's is absent when no passage states the
+    # rule's truth: in a 10-question mini set that can be all of them)
+    with_gold = [n for n in ("popqa", "triviaqa", "pubhealth", "arc_challenge")
+                 if any(json.loads(line)["metadata"].get("gold_passage_id") for line in
+                        (workdir / "world" / "datasets" / n / "test.jsonl").read_text().splitlines())]
+    assert {"popqa", "triviaqa", "arc_challenge"} <= set(with_gold)
+    assert set(recall) == {f"{name}@{k}" for name in with_gold for k in (2, 5)}
     assert all(recall[f"{name}@2"] <= recall[f"{name}@5"] for name in ("popqa", "arc_challenge"))
     assert all(0.0 <= v <= 1.0 for v in recall.values())
     assert not list(workdir.glob(".*tmp*")) and not (workdir / "index.building").exists()
