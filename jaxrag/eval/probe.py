@@ -8,9 +8,9 @@ is the fraction of answers whose first word occurs in the gold passage: it tells
 reads but picks the wrong word (high) from one that ignores the passage (= accuracy).
 `fresh_reading` is the accuracy with the gold passage on fact questions about fresh entities
 (never in pretraining, never a test question): the base stage's reading gate reads it.
-`chain_*`: see `chain_knowledge`. `genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
+`genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
 model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
-questions and for rule questions (the ARC-Challenge analogue). `claim_reading` is the accuracy of
+questions and for rule questions (the ARC-Challenge analogue); `*_chain`: see `chain_knowledge`. `claim_reading` is the accuracy of
 true/false judgements of fresh claims with the passage that decides them in context (FEVER's and
 PubHealth's condition, on either knowledge path); 0.5 is chance.
 """
