@@ -10,9 +10,10 @@ reads but picks the wrong word (high) from one that ignores the passage (= accur
 (never in pretraining, never a test question): the base stage's reading gate reads it.
 `genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
 model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
-questions and for rule questions (the ARC-Challenge analogue); `*_chain`: see `chain_knowledge`. `claim_reading` is the accuracy of
-true/false judgements of fresh claims with the passage that decides them in context (FEVER's and
-PubHealth's condition, on either knowledge path); 0.5 is chance.
+questions and for rule questions (the ARC-Challenge analogue); `*_chain`: see `chain_knowledge`.
+`claim_reading` is the accuracy of true/false judgements of fresh claims with the passage that
+decides them in context (FEVER's and PubHealth's condition, on either knowledge path); 0.5 is
+chance.
 """
 
 from __future__ import annotations
