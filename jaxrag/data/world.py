@@ -21,10 +21,15 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
-from jaxrag.data import world_text as wt
 from jaxrag.data.schema import QAExample, write_examples, write_jsonl
 from jaxrag.data.world_corpus import build_corpus
-from jaxrag.data.world_datasets import DatasetBuilder, RuleItem, pretrain_chains, pretrain_facts
+from jaxrag.data.world_datasets import (
+    DatasetBuilder,
+    RuleItem,
+    chain_links,
+    pretrain_chains,
+    pretrain_facts,
+)
 from jaxrag.data.world_entities import (
     Category,
     Entity,
@@ -131,10 +136,10 @@ class World:
         return [(self.entity(i), a) for i, a in self.pretrain_facts]
 
     def pretrain_chain_facts(self) -> list[tuple[Entity, str, Entity]]:
-        """(subject, link attribute, linked entity) of the chains pretraining verbalizes."""
-        known = {(e.type, e.name): e for e in self.entities if not e.namesake_of}
-        return [(s, a, known[(wt.LINKS[s.type][a], s.attributes[a])])
-                for s, a in ((self.entity(i), a) for i, a in self.pretrain_chains)]
+        """(subject, link attribute, linked entity) of the chains pretraining verbalizes, in
+        `pretrain_chains`' order."""
+        chains = {(s.id, a): (s, a, linked) for s, a, linked in chain_links(list(self.entities))}
+        return [chains[key] for key in self.pretrain_chains]
 
     def corpus(self) -> list[dict[str, str]]:
         """Passages as `{"id", "contents": "title\\ntext"}`."""

@@ -235,9 +235,9 @@ def by_kind(paths: Paths, d: Decision) -> dict[str, dict]:
     """The embedded world's question kinds ("fact", "chain", "rule", ...) per dataset,
     `"dataset/kind" -> {acc, rag_frac, n, acc_retrieval, acc_other}` (the last two: each path's
     own accuracy); empty for data without `metadata["kind"]`."""
-    keys = np.array([f"{name}/{ex.metadata.get('kind')}" for name, ex in paths.items])
     if not any(ex.metadata.get("kind") for _, ex in paths.items):
         return {}
+    keys = np.array([f"{name}/{ex.metadata.get('kind')}" for name, ex in paths.items])
     out = {}
     for key in sorted(dict.fromkeys(keys.tolist())):
         idx = np.flatnonzero(keys == key)
