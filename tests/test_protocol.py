@@ -140,6 +140,22 @@ def test_accuracy_by_question_kind_by_hand():
     assert harness.by_kind(make_paths(["popqa"] * 2, [1, 0], [0, 1]), d) == {}  # real data: no kinds
 
 
+def test_no_choice_fraction_reads_each_rows_chosen_path():
+    # ARC rows 0-3, each path's answer by hand; the decision picks which answer counts.
+    paths = make_paths(["arc_challenge"] * 4 + ["popqa"], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1])
+    paths.items = [(n, QAExample(ex.id, ex.question, ("blue",), ("red", "blue", "pink", "grey")))
+                   for n, ex in paths.items[:4]] + paths.items[4:]
+    paths.answers = {SELF: ["blue", "blue", "B", "The city of Pulu belongs to Kreda.", "x"],
+                     WIKI: ["false", "blue.", "jeweler", "(D)", "x"]}
+    d = Decision(np.array([True, True, False, True, True]), None)
+    per, avg = harness.summarize(paths, d)
+    # chosen answers: "false" (none), "blue." (blue), "B" (letter: blue), "(D)" (grey) -> 1 of 4
+    assert per["arc_challenge"]["no_choice_frac"] == 0.25
+    assert "no_choice_frac" not in per["popqa"] and "no_choice_frac" not in avg  # not multiple choice
+    d_other = Decision(~d.retrieve, None)  # "blue", "blue", "jeweler", "The city ..." -> 2 of 4
+    assert harness.summarize(paths, d_other)[0]["arc_challenge"]["no_choice_frac"] == 0.5
+
+
 def test_no_dpo_stage_runs_the_stage1_objective(monkeypatch, tmp_path):
     from jaxrag.train import losses, stages
 

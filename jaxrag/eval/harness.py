@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from jaxrag.data.schema import QAExample
 from jaxrag.decode.routing import Retrieve, RouteConfig, route, timed
 from jaxrag.decode.sampler import generate
-from jaxrag.eval.metrics import auroc, score_prediction, source_selection_accuracy
+from jaxrag.eval.metrics import auroc, extract_choice, score_prediction, source_selection_accuracy
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import SELF, WIKI
 from jaxrag.policies import Policy, PolicyInputs, always
@@ -220,11 +220,21 @@ def _stats(paths: Paths, d: Decision, idx: np.ndarray) -> dict[str, float]:
     latency = np.where(r, paths.latency[WIKI][idx], paths.latency[paths.other][idx])
     if d.seconds is not None:
         latency = latency + d.seconds[idx]
-    return {"acc": float(correct.mean()), "rag_frac": float(r.mean()), "latency_s": float(latency.mean())}
+    out = {"acc": float(correct.mean()), "rag_frac": float(r.mean()), "latency_s": float(latency.mean())}
+    examples = [paths.items[i][1] for i in idx]
+    if all(ex.choices for ex in examples):
+        # Answers that pick none of the options: a path that has lost the question's format (an
+        # irrelevant passage, a path training never reached) shows here before it shows as errors.
+        answers = [paths.answers[WIKI if ri else paths.other][i] for i, ri in zip(idx, r)]
+        out["no_choice_frac"] = float(np.mean([
+            extract_choice(a, ex.choices, ex.metadata.get("choice_labels")) is None
+            for a, ex in zip(answers, examples)]))
+    return out
 
 
 def summarize(paths: Paths, d: Decision) -> tuple[dict[str, dict], dict[str, float]]:
-    """Per dataset {acc, rag_frac, latency_s}, and their average over datasets (the paper's)."""
+    """Per dataset {acc, rag_frac, latency_s[, no_choice_frac for multiple-choice sets]}, and the
+    first three averaged over datasets (the paper's)."""
     names = np.array([name for name, _ in paths.items])
     per = {name: _stats(paths, d, np.flatnonzero(names == name)) for name in dict.fromkeys(names)}
     avg = {k: float(np.mean([v[k] for v in per.values()])) for k in ("acc", "rag_frac", "latency_s")}
