@@ -126,8 +126,11 @@ def test_results_follow_the_shared_schema(workdir):
     assert set(results["datasets"]) == {"popqa", "triviaqa", "pubhealth", "arc_challenge"}
     for name, per in results["datasets"].items():
         assert set(per) == methods
+        choice = {"no_choice_frac"} if name == "arc_challenge" else set()  # multiple choice only
         for m in per.values():
-            assert set(m) == {"acc", "rag_frac", "latency_s"} and 0 <= m["acc"] <= 1 and 0 <= m["rag_frac"] <= 1
+            assert set(m) == {"acc", "rag_frac", "latency_s"} | choice and 0 <= m["acc"] <= 1 and 0 <= m["rag_frac"] <= 1
+            if choice:  # an answer that picks no option is wrong
+                assert 0 <= m["no_choice_frac"] <= 1 - m["acc"] + 1e-9
     for m in methods:  # the average is the mean over datasets
         want = np.mean([results["datasets"][d][m]["acc"] for d in results["datasets"]])
         assert results["average"][m]["acc"] == pytest.approx(want)
