@@ -16,6 +16,7 @@ Every timed batch excludes compilation (`without_compiles`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -70,6 +71,18 @@ class Paths:
     def other(self) -> str:
         """The non-retrieval source (Self, or Selective RAG's no-retrieval)."""
         return next(s for s in self.sources if s != WIKI)
+
+    @functools.cached_property
+    def no_choice(self) -> dict[str, np.ndarray]:
+        """Per source, [n]: 1.0 where the answer picks none of a multiple-choice item's options,
+        0.0 where it picks one, NaN for an item without options. Parsed once per Paths: every
+        decision and threshold (Figure 4, the tau grid) reads it."""
+        def flag(answer: str, ex: QAExample) -> float:
+            if not ex.choices:
+                return np.nan
+            return float(extract_choice(answer, ex.choices, ex.metadata.get("choice_labels")) is None)
+        return {s: np.array([flag(a, ex) for a, (_, ex) in zip(self.answers[s], self.items)])
+                for s in self.sources}
 
     def take(self, mask: np.ndarray) -> Paths:
         idx = np.flatnonzero(mask)
@@ -221,14 +234,11 @@ def _stats(paths: Paths, d: Decision, idx: np.ndarray) -> dict[str, float]:
     if d.seconds is not None:
         latency = latency + d.seconds[idx]
     out = {"acc": float(correct.mean()), "rag_frac": float(r.mean()), "latency_s": float(latency.mean())}
-    examples = [paths.items[i][1] for i in idx]
-    if all(ex.choices for ex in examples):
+    no_choice = np.where(r, paths.no_choice[WIKI][idx], paths.no_choice[paths.other][idx])
+    if not np.isnan(no_choice).any():
         # Answers that pick none of the options: a path that has lost the question's format (an
         # irrelevant passage, a path training never reached) shows here before it shows as errors.
-        answers = [paths.answers[WIKI if ri else paths.other][i] for i, ri in zip(idx, r)]
-        out["no_choice_frac"] = float(np.mean([
-            extract_choice(a, ex.choices, ex.metadata.get("choice_labels")) is None
-            for a, ex in zip(answers, examples)]))
+        out["no_choice_frac"] = float(no_choice.mean())
     return out
 
 
