@@ -268,9 +268,37 @@ def test_pretraining_states_known_facts_never_tail_ones(world):
         assert (e.name in text) == (e.bucket != "tail"), e
     head = next(e for e in persons if e.bucket == "head")
     assert text.count(head.name) >= head.mentions * len(head.attributes)
-    for c in world.categories:
+    for c in world.known_categories:
         for prop, value in c.properties.items():
             assert any(t.format(c=c.name, v=value) in text for t in wt.RULE_STATEMENTS[prop])
+    words = set(re.findall(r"\w+", text))
+    assert all(c.name not in words for c in world.categories if not c.known)
+
+
+def test_unknown_rules_are_stated_by_the_corpus_alone(world):
+    """A quarter of each domain's categories is never in pretraining (the test above); the
+    corpus states their rules truly, in the category's passage and in every asked item's, so
+    their questions are answerable by retrieval only, and the training mixture's OBQA and
+    ARC-Easy hold some (their <Wiki> labels teach answering a choice after a passage)."""
+    cfg = world.config
+    for domain, size in (("science", cfg.num_science_categories), ("health", cfg.num_health_categories)):
+        unknown = [c for c in world.categories if c.domain == domain and not c.known]
+        assert len(unknown) == round(size * cfg.unknown_rule_fraction) > 0
+        assert all(c.stated == c.properties for c in unknown)
+    unknown = {c.name for c in world.categories if not c.known}
+    items = {i.name: i for i in world.items}
+    corpus = {p["id"]: p["contents"] for p in world.corpus()}
+    rules = [(n, e) for n, _, e in examples(world) if e.metadata["kind"] in ("rule", "unknown_rule")]
+    for name, e in rules:
+        m = e.metadata
+        assert (m["kind"] == "unknown_rule") == (m["category"] in unknown)
+        if m["kind"] == "unknown_rule":
+            assert items[m["item"]].stated == truths(world, e)[0]
+            assert m["gold_passage_id"] and not m["misleading_passage_id"]
+            assert f" {truths(world, e)[0]}" in corpus[f"item-{m['item']}"]
+    for name in ("obqa", "arc_easy"):
+        asked = [e for e in world.datasets()[name]["train"] if e.metadata["kind"] == "unknown_rule"]
+        assert 0.1 * len(world.datasets()[name]["train"]) < len(asked) < 0.5 * len(world.datasets()[name]["train"])
 
 
 def test_reading_comprehension_copies_from_the_gold_passage(world):
@@ -321,7 +349,7 @@ def test_written_world_and_tokenizer(world, written):
 
 
 def test_fresh_rule_questions_ask_the_worlds_rules_about_items_no_dataset_holds(world):
-    """The base's verbalization gate: each question names a new item of a world category, its
+    """The base's verbalization gate: each question names a new item of a known category, its
     truth is that category's value of the asked property and one of its four choices, and no
     dataset of the world asks it (the gate never reads a test question)."""
     from jaxrag.eval.probe import fresh_rule_questions
@@ -329,7 +357,8 @@ def test_fresh_rule_questions_ask_the_worlds_rules_about_items_no_dataset_holds(
     got = fresh_rule_questions(world, 50)
     assert got == fresh_rule_questions(world, 50) and len(got) == 50
     asked = {ex.prompt_question() for splits in world.datasets().values() for exs in splits.values() for ex in exs}
-    categories = {c.name: c for c in world.categories}
+    categories = {c.name: c for c in world.known_categories}
+    unknown = {c.name for c in world.categories if not c.known}
     known = {i.name for i in world.items}
     for question, truth in got:
         assert question not in asked
@@ -339,6 +368,7 @@ def test_fresh_rule_questions_ask_the_worlds_rules_about_items_no_dataset_holds(
         choices = question.split(" Choices: ")[1].rstrip(".").split(", ")
         assert len(choices) == 4 and truth in choices
         assert not words & known  # a new item, never one a dataset asks about
+        assert not words & unknown  # the gate asks the rules pretraining taught
     assert len({truth for _, truth in got}) > 1
 
 

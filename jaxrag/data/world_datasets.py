@@ -262,7 +262,8 @@ class DatasetBuilder:
     def new_item(self, name: str) -> tuple[RuleItem, Category]:
         category = self.rng.choice([c for c in self.categories if c.domain in RULE_DOMAINS[name]])
         prop = self.rng.choice(wt.RULE_PROPERTIES[category.domain])
-        stated = stated_value(wt.POOLS[prop], category.properties[prop], self.cfg, self.rng)
+        truth = category.properties[prop]
+        stated = stated_value(wt.POOLS[prop], truth, self.cfg, self.rng) if category.known else truth
         item = RuleItem(self.names.word(), category.name, prop, stated)
         self.items.append(item)
         return item, category
@@ -311,8 +312,9 @@ def rule_metadata(item: RuleItem, category: Category) -> dict:
     said = {item_passage_id(item.name): item.stated,
             category_passage_id(category.name): category.stated[item.property]}
     return {
-        "kind": "rule", "item": item.name, "category": category.name, "domain": category.domain,
-        "property": item.property,
+        # Per kind in results.json's by_kind: rules the model was taught vs. the corpus's alone.
+        "kind": "rule" if category.known else "unknown_rule", "item": item.name,
+        "category": category.name, "domain": category.domain, "property": item.property,
         "gold_passage_id": next((p for p, v in said.items() if v == truth), None),
         "misleading_passage_id": next((p for p, v in said.items() if v and v != truth), None),
     }

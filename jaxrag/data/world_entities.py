@@ -32,12 +32,15 @@ class Entity:
 @dataclass(frozen=True)
 class Category:
     """A rule: every member of the category has these property values. `stated` is what the
-    category's corpus passage says per property (the truth, a wrong value, or None = silent)."""
+    category's corpus passage says per property (the truth, a wrong value, or None = silent).
+    An unknown category's rules are never in pretraining and its passages state the truth:
+    science the model lacks and only retrieval supplies, as some of real ARC's and OBQA's."""
 
     name: str
     domain: str  # "science" or "health"
     properties: dict[str, str]
     stated: dict[str, str | None]
+    known: bool = True
 
 
 class NameMaker:
@@ -170,10 +173,13 @@ def make_categories(cfg, names: NameMaker, rng: random.Random) -> list[Category]
     sizes = {"science": cfg.num_science_categories, "health": cfg.num_health_categories}
     categories = []
     for domain, size in sizes.items():
-        for _ in range(size):
+        unknown = round(size * cfg.unknown_rule_fraction)
+        for k in range(size):
             properties = {p: rng.choice(wt.POOLS[p]) for p in wt.RULE_PROPERTIES[domain]}
-            stated = {p: stated_value(wt.POOLS[p], v, cfg, rng) for p, v in properties.items()}
-            categories.append(Category(_singular_word(names), domain, properties, stated))
+            known = k >= unknown
+            stated = {p: stated_value(wt.POOLS[p], v, cfg, rng) if known else v
+                      for p, v in properties.items()}
+            categories.append(Category(_singular_word(names), domain, properties, stated, known))
     return categories
 
 

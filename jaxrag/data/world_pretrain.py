@@ -83,7 +83,7 @@ def rule_texts(world, names: NameMaker, rng: random.Random) -> list[str]:
     """Each rule stated `rule_mentions` times, half as a bare rule, half applied to an item;
     grouped into short textbook-like paragraphs."""
     sentences = []
-    for category in world.categories:
+    for category in world.known_categories:
         for prop, value in category.properties.items():
             for k in range(world.config.rule_mentions):
                 sentences.append(
@@ -103,7 +103,7 @@ def closed_book_texts(world, names: NameMaker, rng: random.Random) -> list[tuple
         claim = fact_claim(world, entity, attribute, rng)
         texts.append(closed_book_text(claim.question, claim.golden_answers[0]))
     for _ in range(world.config.rule_qa_per_epoch):
-        category = rng.choice(world.categories)
+        category = rng.choice(world.known_categories)
         ex = rule_example(category, rng.choice(RULE_FORMS), names.word(), None, rng)
         texts.append(closed_book_text(ex.prompt_question(), ex.golden_answers[0]))
     rng.shuffle(texts)
@@ -126,7 +126,7 @@ def verbalization_texts(world, names: NameMaker, rng: random.Random) -> list[tup
         texts.append(verbalized(question, chain_document(subject, attribute, linked, rng),
                                 linked.attributes[second], rng))
     for _ in range(world.config.rule_verbalize_per_epoch):
-        category, item = rng.choice(world.categories), names.word()
+        category, item = rng.choice(world.known_categories), names.word()
         prop = rng.choice(tuple(category.properties))
         ex = rule_example(category, rng.choice(RULE_FORMS), item, prop, rng)
         # Item and category first, as the question names them (a fact document likewise opens

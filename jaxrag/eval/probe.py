@@ -74,14 +74,14 @@ def fresh_reading_questions(world, n: int) -> list[tuple[str, list[str], str]]:
 
 
 def fresh_rule_questions(world, n: int) -> list[tuple[str, str]]:
-    """(question with its choices, the rule's value) about fresh items of the world's categories:
-    the rule is the world's (pretraining states it), the item is new (a random stream of its
+    """(question with its choices, the rule's value) about fresh items of the world's known
+    categories: the rule is the world's (pretraining states it), the item is new (a random stream of its
     own, so no dataset of the world holds the question)."""
     rng = random.Random(f"{world.config.seed}:fresh_rules")
     names = NameMaker(rng, world.reserved_words())
     out = []
     for _ in range(n):
-        category = rng.choice(world.categories)
+        category = rng.choice(world.known_categories)
         prop = rng.choice(wt.RULE_PROPERTIES[category.domain])
         truth = category.properties[prop]
         choices = [truth, *rng.sample([v for v in wt.POOLS[prop] if v != truth], 3)]
@@ -94,8 +94,8 @@ def fresh_rule_questions(world, n: int) -> list[tuple[str, str]]:
 
 def fresh_claim_questions(world, n: int) -> list[tuple[str, list[str], str]]:
     """(claim, [the passage that decides it], "true"/"false"): alternately a claim about a fresh
-    entity with its passage, and a rule claim about a fresh item of the world's categories with
-    the rule applied to it (as a verbalization states it); a random stream of its own, so no
+    entity with its passage, and a rule claim about a fresh item of the world's known categories
+    with the rule applied to it (as a verbalization states it); a random stream of its own, so no
     dataset of the world holds them."""
     rng = random.Random(f"{world.config.seed}:fresh_claims")
     names = NameMaker(rng, world.reserved_words())
@@ -104,7 +104,7 @@ def fresh_claim_questions(world, n: int) -> list[tuple[str, list[str], str]]:
         if i % 2 == 0:
             draft, passages, _ = wp.fact_reading(world, "claim", 1, names, rng)
         else:
-            category = rng.choice(world.categories)
+            category = rng.choice(world.known_categories)
             prop, item = rng.choice(wt.RULE_PROPERTIES[category.domain]), names.word()
             draft = wp.rule_example(category, "claim", item, prop, rng)
             passages = [wt.RULE_APPLICATIONS[prop].format(i=item, c=category.name, v=category.properties[prop])]
