@@ -281,15 +281,16 @@ def test_unknown_rules_are_stated_by_the_corpus_alone(world):
     their questions are answerable by retrieval only, and the training mixture's OBQA and
     ARC-Easy hold some (their <Wiki> labels teach answering a choice after a passage)."""
     cfg = world.config
-    for domain, size in (("science", cfg.num_science_categories), ("health", cfg.num_health_categories)):
+    sizes = {"science": cfg.num_science_categories, "health": cfg.num_health_categories}
+    for domain, size in sizes.items():
         unknown = [c for c in world.categories if c.domain == domain and not c.known]
         assert len(unknown) == round(size * cfg.unknown_rule_fraction) > 0
         assert all(c.stated == c.properties for c in unknown)
     unknown = {c.name for c in world.categories if not c.known}
     items = {i.name: i for i in world.items}
     corpus = {p["id"]: p["contents"] for p in world.corpus()}
-    rules = [(n, e) for n, _, e in examples(world) if e.metadata["kind"] in ("rule", "unknown_rule")]
-    for name, e in rules:
+    rules = [e for _, _, e in examples(world) if e.metadata["kind"] in ("rule", "unknown_rule")]
+    for e in rules:
         m = e.metadata
         assert (m["kind"] == "unknown_rule") == (m["category"] in unknown)
         if m["kind"] == "unknown_rule":
@@ -297,8 +298,9 @@ def test_unknown_rules_are_stated_by_the_corpus_alone(world):
             assert m["gold_passage_id"] and not m["misleading_passage_id"]
             assert f" {truths(world, e)[0]}" in corpus[f"item-{m['item']}"]
     for name in ("obqa", "arc_easy"):
-        asked = [e for e in world.datasets()[name]["train"] if e.metadata["kind"] == "unknown_rule"]
-        assert 0.1 * len(world.datasets()[name]["train"]) < len(asked) < 0.5 * len(world.datasets()[name]["train"])
+        train = world.datasets()[name]["train"]
+        asked = [e for e in train if e.metadata["kind"] == "unknown_rule"]
+        assert 0.1 * len(train) < len(asked) < 0.5 * len(train)
 
 
 def test_reading_comprehension_copies_from_the_gold_passage(world):

@@ -75,8 +75,8 @@ def fresh_reading_questions(world, n: int) -> list[tuple[str, list[str], str]]:
 
 def fresh_rule_questions(world, n: int) -> list[tuple[str, str]]:
     """(question with its choices, the rule's value) about fresh items of the world's known
-    categories: the rule is the world's (pretraining states it), the item is new (a random stream of its
-    own, so no dataset of the world holds the question)."""
+    categories: the rule is the world's (pretraining states it), the item is new (a random
+    stream of its own, so no dataset of the world holds the question)."""
     rng = random.Random(f"{world.config.seed}:fresh_rules")
     names = NameMaker(rng, world.reserved_words())
     out = []
