@@ -263,8 +263,7 @@ class DatasetBuilder:
         category = self.rng.choice([c for c in self.categories if c.domain in RULE_DOMAINS[name]])
         prop = self.rng.choice(wt.RULE_PROPERTIES[category.domain])
         truth = category.properties[prop]
-        stated = (stated_value(wt.POOLS[prop], truth, self.cfg, self.rng) if category.known
-                  else truth)
+        stated = stated_value(wt.POOLS[prop], truth, self.cfg, self.rng, category.known)
         item = RuleItem(self.names.word(), category.name, prop, stated)
         self.items.append(item)
         return item, category

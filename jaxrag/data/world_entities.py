@@ -177,7 +177,7 @@ def make_categories(cfg, names: NameMaker, rng: random.Random) -> list[Category]
         for k in range(size):
             properties = {p: rng.choice(wt.POOLS[p]) for p in wt.RULE_PROPERTIES[domain]}
             known = k >= unknown
-            stated = {p: stated_value(wt.POOLS[p], v, cfg, rng) if known else v
+            stated = {p: stated_value(wt.POOLS[p], v, cfg, rng, known)
                       for p, v in properties.items()}
             categories.append(Category(_singular_word(names), domain, properties, stated, known))
     return categories
@@ -191,9 +191,12 @@ def _singular_word(names: NameMaker) -> str:
     return word
 
 
-def stated_value(pool, truth: str, cfg, rng: random.Random) -> str | None:
+def stated_value(pool, truth: str, cfg, rng: random.Random, known: bool = True) -> str | None:
     """What a corpus passage says about a rule property: the truth (`rule_coverage_rate`), a
-    wrong value (`rule_misleading_rate`) or nothing: the corpus covers rules poorly."""
+    wrong value (`rule_misleading_rate`) or nothing: the corpus covers rules poorly. A rule
+    pretraining never states (`known=False`) the corpus states truly, its only source."""
+    if not known:
+        return truth
     draw = rng.random()
     if draw < cfg.rule_coverage_rate:
         return truth
