@@ -165,7 +165,7 @@ def tiny_config(family: str) -> ConfigDict:
     # verbalizing looked useless and 94% of NQ was labelled Wiki; zero-shot, 67% and 0.63 (round
     # 1's greedy zero-shot: 77%). Prompts stay within the 256-token pretraining length.
     cfg.construct.update(verbalize_max_tokens=48, demos_per_cluster=0, max_prompt_tokens=208)
-    # 390 training questions (world v4): one epoch is 25 steps. lr 3e-4 keeps the base's reading
+    # 500 training questions (world v5): one epoch is 32 steps. lr 3e-4 keeps the base's reading
     # (seed 0, Wiki path on 200 test questions: 0.53 after stage 1, 0.41 at lr 1e-3; untuned 0.51).
     # The source tokens start ~8.7 nats down (never a target in pretraining), and Adam moves each
     # weight ~lr per step, so at one lr their own rows were slow to move: 6 epochs left p_M(<Wiki>|q)
