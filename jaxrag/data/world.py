@@ -62,7 +62,9 @@ class WorldConfig:
     # categories have ~40 training questions (v4: 9-19), enough Wiki-labelled datastore keys and
     # stage-1 targets to be told apart (v4's audit AUROC within these sets tracked test
     # retrieval); vocab_size 5120 -> 5376.
-    version: int = 5
+    # 6 (2026-11-28): ARC-Easy's training questions in both ARC phrasings, ARC-Challenge's
+    # among them (world_datasets.RULE_STYLE); the test sets are unchanged.
+    version: int = 6
     num_persons: int = 300
     num_cities: int = 100
     num_companies: int = 100
