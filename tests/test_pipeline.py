@@ -162,6 +162,22 @@ def test_export_is_the_final_model_in_transformers(workdir):
     np.testing.assert_allclose(np.asarray(base.logits([ids])), want, atol=1e-4)
 
 
+def test_every_saved_model_tokenizes_as_the_world_tokenizer(workdir):
+    """Models reloaded from disk (base, stage 1, stage 2) read text as pretraining did, years in
+    passages included: under transformers 5 AutoTokenizer would build a tiny qwen2's tokenizer as
+    `Qwen2Tokenizer`, whose pre-tokenizer splits "1827" into digits (session 50: on one seed every
+    reloaded model read passages at ~0.1 where the pretrained one read 0.9)."""
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(workdir / "world" / "tokenizer" / "tokenizer.json"))
+    corpus = [json.loads(line)["contents"] for line in (workdir / "world" / "corpus.jsonl").open()]
+    passage = next(p for p in corpus if any(c.isdigit() for c in p))
+    text = f"Question: Where was it? Background knowledge: {passage} Answer:"
+    for model in ("base", "stage1/model", "stage2/model"):
+        tokenizer = jaxrag.load_model(workdir / model).tokenizer
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == reference.encode(text).ids, model
+
+
 def test_a_datastore_layer_beyond_the_model_is_refused_before_anything_is_written(workdir, tmp_path):
     """A real model's layer count is only known from its checkpoint: the datastore stage checks it."""
     from jaxrag.pipeline_srrag import build_policy_datastore

@@ -64,7 +64,10 @@ class WorldConfig:
     # retrieval); vocab_size 5120 -> 5376.
     # 6 (2026-11-28): ARC-Easy's training questions in both ARC phrasings, ARC-Challenge's
     # among them (world_datasets.RULE_STYLE); the test sets are unchanged.
-    version: int = 6
+    # 7 (2026-11-28): the same world; raised because every model reloaded from a workdir had
+    # tokenized with Qwen2's pre-tokenizer, not the world tokenizer it was pretrained with
+    # (models.model._load_tokenizer), so every stage after the base differs from version 6's.
+    version: int = 7
     num_persons: int = 300
     num_cities: int = 100
     num_companies: int = 100

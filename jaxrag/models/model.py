@@ -94,10 +94,28 @@ def pad_vocab(params: dict, cfg: DecoderConfig) -> dict:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(model_dir: Path) -> str | None:
+    config = model_dir / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except json.JSONDecodeError as e:
+        raise JaxragError(f"{config}: not valid JSON ({e})") from None
+
+
 def _load_tokenizer(model_dir: Path):
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         raise JaxragError(f"{model_dir}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
     try:
+        # A generic tokenizer (`tokenizer.json` alone: the embedded world's, saved by transformers
+        # 5 as `TokenizersBackend`) loads as itself. AutoTokenizer would build the config's
+        # model-type class instead (`Qwen2Tokenizer` for a tiny qwen2, which swaps in Qwen2's
+        # pre-tokenizer: "1827" became four digit tokens the model never saw, and on some world
+        # seeds every reloaded model read passages at ~0.1 where the in-memory one read 0.9).
+        if _tokenizer_class(model_dir) in GENERIC_TOKENIZERS:
+            return transformers.PreTrainedTokenizerFast.from_pretrained(str(model_dir))
         return transformers.AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as e:
         raise JaxragError(f"{model_dir}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from None
