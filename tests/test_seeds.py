@@ -66,7 +66,7 @@ def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
     assert "a different world seed" in capsys.readouterr().err
 
 
-KEPT = Path(__file__).parent.parent / "results" / "embedded" / "world-v5"
+KEPT = Path(__file__).parent.parent / "results" / "embedded" / "world-v7"
 
 
 def test_kept_runs_are_the_current_tiny_recipe(capsys):
