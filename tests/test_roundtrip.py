@@ -85,4 +85,3 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy_tokens(convert
         kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
         assert ref.generate(ids, **kwargs).tolist() == loaded.generate(ids, **kwargs).tolist()
     assert json.loads((out / "config.json").read_text())["vocab_size"] == loaded.config.vocab_size
-
