@@ -1,7 +1,9 @@
-"""World version 3: links by preferential attachment and chain questions, the facts a model
-holds but uses only after verbalizing them."""
+"""How the world asks: links by preferential attachment and chain questions (world version 3:
+facts a model holds but uses only after verbalizing them), and each dataset's phrasings (NQ and
+ARC-Easy train on every phrasing their test-time peers use, versions 2 and 6)."""
 
 import re
+from collections import Counter
 
 import pytest
 
@@ -60,3 +62,45 @@ def test_chain_verbalizations_state_both_facts_and_never_answer_closed_book(worl
     triviaqa = [e for e in world.datasets()["triviaqa"]["test"] if e.metadata["kind"] == "chain"]
     assert all(any(f.fullmatch(e.question) for f in chain_forms) for e in triviaqa)
     assert not any(form.fullmatch(q) for form in chain_forms for q in asked)
+
+
+def phrasing(example) -> str:
+    """Which of world_text's question styles an entity-fact question is phrased in."""
+    m = example.metadata
+    questions = (wt.CHAINS[(m["entity_type"], m["attribute"])][1] if m["kind"] == "chain" else
+                 wt.ATTRIBUTES[m["entity_type"]][m["attribute"]].questions)
+    return next(style for style, template in questions.items()
+                if re.fullmatch(re.escape(template).replace(re.escape("{n}"), ".+"), example.question))
+
+
+def test_test_sets_keep_one_phrasing_and_nq_trains_on_every_phrasing(world):
+    """PopQA and TriviaQA keep their own templates; NQ's training and validation questions come in
+    all of them (about a third each), so fine-tuning does not learn to read for one phrasing."""
+    data = world.datasets()
+    assert {phrasing(e) for e in data["popqa"]["test"]} == {"popqa"}
+    assert {phrasing(e) for e in data["triviaqa"]["test"]} == {"trivia"}
+    nq = [e for split in ("train", "validation") for e in data["nq"][split]]
+    counts = Counter(phrasing(e) for e in nq)
+    assert set(counts) == set(wt.QUESTION_STYLES)
+    assert min(counts.values()) > 0.2 * len(nq)
+
+
+def rule_phrasing(example) -> str:
+    """Which of world_text's RULE_QUESTIONS styles a rule question is phrased in."""
+    m = example.metadata
+    return next(style for style, template in wt.RULE_QUESTIONS[m["property"]].items()
+                if template.format(i=m["item"], c=m["category"]) == example.question)
+
+
+def test_arc_challenge_phrasing_is_among_arc_easy_training_questions(world):
+    """As real ARC-Easy and ARC-Challenge share one exam style, the training mixture's ARC-Easy
+    asks in both ARC phrasings, known and unknown rules alike (world version 6); ARC-Challenge's
+    test set and OBQA keep one phrasing each."""
+    data = world.datasets()
+    assert {rule_phrasing(e) for e in data["arc_challenge"]["test"]} == {"challenge"}
+    assert {rule_phrasing(e) for s in data["obqa"].values() for e in s} == {"open"}
+    train = data["arc_easy"]["train"]
+    counts = Counter((rule_phrasing(e), e.metadata["kind"]) for e in train)
+    assert {style for style, _ in counts} == {"easy", "challenge"}
+    assert all(counts[(style, kind)] >= 0.05 * len(train)
+               for style in ("easy", "challenge") for kind in ("rule", "unknown_rule"))
