@@ -94,7 +94,7 @@ def pad_vocab(params: dict, cfg: DecoderConfig) -> dict:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _tokenizer_class(model_dir: Path) -> str | None:
@@ -114,7 +114,7 @@ def _load_tokenizer(model_dir: Path):
         # model-type class instead (`Qwen2Tokenizer` for a tiny qwen2, which swaps in Qwen2's
         # pre-tokenizer: "1827" became four digit tokens the model never saw, and on some world
         # seeds every reloaded model read passages at ~0.1 where the in-memory one read 0.9).
-        if _tokenizer_class(model_dir) in GENERIC_TOKENIZERS:
+        if _tokenizer_class(model_dir) in _GENERIC_TOKENIZERS:
             return transformers.PreTrainedTokenizerFast.from_pretrained(str(model_dir))
         return transformers.AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as e:
