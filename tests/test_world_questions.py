@@ -1,6 +1,6 @@
-"""How the world asks: links by preferential attachment and chain questions (world version 3:
-facts a model holds but uses only after verbalizing them), and each dataset's phrasings (NQ and
-ARC-Easy train on every phrasing their test-time peers use, versions 2 and 6)."""
+"""How the world asks: links by preferential attachment and chain questions (facts a model
+holds but uses only after verbalizing them), and each dataset's phrasings (NQ and ARC-Easy train
+on every phrasing their test-time peers use)."""
 
 import re
 from collections import Counter
@@ -17,7 +17,7 @@ def world():
 
 
 def test_links_follow_preferential_attachment(world):
-    """Links name popular entities far more often than their share (world version 3)."""
+    """Links name popular entities far more often than their share."""
     known = {(e.type, e.name): e for e in world.entities if not e.namesake_of}
     links = [known[(t, e.attributes[a])] for e in world.entities if not e.namesake_of
              for a, t in wt.LINKS.get(e.type, {}).items()]
@@ -94,7 +94,7 @@ def rule_phrasing(example) -> str:
 
 def test_arc_challenge_phrasing_is_among_arc_easy_training_questions(world):
     """As real ARC-Easy and ARC-Challenge share one exam style, the training mixture's ARC-Easy
-    asks in both ARC phrasings, known and unknown rules alike (world version 6); ARC-Challenge's
+    asks in both ARC phrasings, known and unknown rules alike; ARC-Challenge's
     test set and OBQA keep one phrasing each."""
     data = world.datasets()
     assert {rule_phrasing(e) for e in data["arc_challenge"]["test"]} == {"challenge"}

@@ -51,22 +51,8 @@ class WorldConfig:
     seed: int = 0
     # The generator's version, raised whenever the same fields give another world, so that a
     # workdir built by an older generator is refused (provenance) instead of silently reused.
-    # 2 (2026-11-27): NQ's questions come in every phrasing (world_datasets.QUESTION_STYLE).
-    # 3 (2026-11-28): links by preferential attachment and chain questions, facts usable only
-    # after verbalizing them (world_text.CHAINS); namesake_rate 0.15 -> 0.2, as chains take
-    # first facts ASQA's ambiguous questions would ask.
-    # 4 (2026-11-28): unknown rule categories (`unknown_rule_fraction`); NQ 120 -> 170, so its
-    # plain fact questions are as many as v2's beside the chains (v3's chains took 30% of
-    # NQ's facts and fine-tuning read entity passages worse: README, world v3).
-    # 5 (2026-11-28): OBQA 40 -> 100, ARC-Easy 30 -> 80 training questions, so the unknown rule
-    # categories have ~40 training questions (v4: 9-19), enough Wiki-labelled datastore keys and
-    # stage-1 targets to be told apart (v4's audit AUROC within these sets tracked test
-    # retrieval); vocab_size 5120 -> 5376.
-    # 6 (2026-11-28): ARC-Easy's training questions in both ARC phrasings, ARC-Challenge's
-    # among them (world_datasets.RULE_STYLE); the test sets are unchanged.
-    # 7 (2026-11-28): the same world; raised because every model reloaded from a workdir had
-    # tokenized with Qwen2's pre-tokenizer, not the world tokenizer it was pretrained with
-    # (models.model._load_tokenizer), so every stage after the base differs from version 6's.
+    # The generator is frozen at this version; what each version changed and why is in
+    # results/embedded/HISTORY.md.
     version: int = 7
     num_persons: int = 300
     num_cities: int = 100
@@ -91,9 +77,9 @@ class WorldConfig:
     rule_coverage_rate: float = 0.3  # a rule/item passage states the true value
     rule_misleading_rate: float = 0.4  # ... or a wrong one (else it says nothing)
     # Categories (per domain) whose rules pretraining never states and the corpus states truly:
-    # with every rule known, OBQA/ARC-Easy training questions were all <Self>-labelled, stage 1
-    # never trained answering a multiple-choice question after a passage, and the fine-tuned
-    # Wiki path answered ARC outside its options 1.3-2x as often as the base (README, world v3).
+    # with every rule known, OBQA/ARC-Easy training questions are all <Self>-labelled, stage 1
+    # never trains answering a multiple-choice question after a passage, and the fine-tuned
+    # Wiki path answers ARC outside its options 1.3-2x as often as the base.
     unknown_rule_fraction: float = 0.25
     # Corpus and pretraining.
     passage_words: int = 100
@@ -115,8 +101,8 @@ class WorldConfig:
     asqa_size: int = 20
     validation_fraction: float = 0.3  # 150 validation questions: enough to fix a constant
     eval_test_size: int = 200
-    # Before the SR-RAG tokens; every answer value is one token (4096 split 8; v5's 110 more
-    # item names took merges some rivers needed at 5120: seeds 0-40 checked at 5376).
+    # Before the SR-RAG tokens; every answer value must be one token (4096 split some; at 5120
+    # the rule items' names took merges some river names needed; 5376 checked on world seeds 0-40).
     vocab_size: int = 5376
 
 

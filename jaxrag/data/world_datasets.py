@@ -26,18 +26,18 @@ BUCKET_MIX = {
 }
 # Each dataset's phrasings (world_text.QUESTION_STYLES). The test sets keep one each, as PopQA's
 # templates and TriviaQA's quiz style; NQ's user questions come in every phrasing, as real NQ's do
-# (and as pretraining's QA text). With NQ in its own phrasing only, fine-tuning taught the 3M model
-# to read for that phrasing alone: on seed 9294's PopQA/TriviaQA, its forced-<Wiki> answers named
-# another attribute's value where the untuned model copied the right one (README, item 4).
+# (and as pretraining's QA text). With NQ in its own phrasing only, fine-tuning teaches the 3M model
+# to read for that phrasing alone: its forced-<Wiki> answers on PopQA/TriviaQA name another
+# attribute's value where the untuned model copies the right one.
 QUESTION_STYLE = {"popqa": ("popqa",), "triviaqa": ("trivia",), "nq": wt.QUESTION_STYLES,
                   "wow": ("popqa",)}
 # The share of a dataset's questions that are chain questions (world_text.CHAINS): TriviaQA's
 # quiz questions are often compositional, and NQ's training questions teach the router them.
 CHAIN_MIX = {"triviaqa": 0.3, "nq": 0.3}
 # Real ARC-Easy and ARC-Challenge are one exam's questions split by difficulty, so the training
-# mixture's ARC-Easy asks in both ARC phrasings (world version 6). With ARC-Challenge's phrasing
-# in no training question, whether the router's <EOQ> key carried an unknown rule category across
-# it varied by seed (README, world version 5). The test sets keep one phrasing each.
+# mixture's ARC-Easy asks in both ARC phrasings. With ARC-Challenge's phrasing in no training
+# question, whether the router's <EOQ> key carries an unknown rule category across it varies by
+# world seed. The test sets keep one phrasing each.
 RULE_STYLE = {"obqa": ("open",), "arc_easy": ("easy", "challenge"), "arc_challenge": ("challenge",)}
 RULE_DOMAINS = {"obqa": ("science", "health"), "arc_easy": ("science",),
                 "arc_challenge": ("science",), "pubhealth": ("health",)}

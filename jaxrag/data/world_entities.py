@@ -73,8 +73,8 @@ def template_words() -> set[str]:
 def make_pools(cfg, names: NameMaker) -> dict[str, tuple[str, ...]]:
     """All value pools: the fixed word pools plus generated countries, rivers and entity names."""
     # One first and one last name per person: with shared name parts (30 x 30 pools for 300
-    # persons, every head person sharing both) person facts bound to a pair of shared tokens and
-    # closed-book recall of persons swung from 21/24 (seed 0) to 7/30 (seed 1).
+    # persons, every head person sharing both) person facts bind to a pair of shared tokens and
+    # closed-book recall of persons swings several-fold from one world seed to the next.
     generated = {
         "country": cfg.num_countries, "river": cfg.num_rivers, "city": cfg.num_cities,
         "company": cfg.num_companies, "band": cfg.num_bands, "first_name": cfg.num_persons,
@@ -102,7 +102,7 @@ def make_entities(cfg, pools: dict[str, tuple[str, ...]], rng: random.Random) ->
 def _attached(entity: Entity, entities: list[Entity], rng: random.Random) -> Entity:
     """Links by preferential attachment, as in the real world (people are born in big cities and
     work for big firms): the linked entity is drawn with weight mentions + 1, so most links name
-    a known entity, and a chain question's second fact is one the model holds (world version 3)."""
+    a known entity, and a chain question's second fact is one the model holds."""
     links = wt.LINKS.get(entity.type, {})
     if not links:
         return entity

@@ -149,8 +149,8 @@ def chain_document(subject: Entity, attribute: str, linked: Entity, rng: random.
 def verbalized(question: str, document: str, answer: str, rng: random.Random) -> tuple[str, ...]:
     """Half GenRead's zero-shot prompt, half SR-RAG's form without its tokens: the model writes
     the document after `Background knowledge:` and answers from it (loss on both), as the <Self>
-    path will. (A quarter one-shot GenRead, as construct's round 2 prompts, was tried: seed 0's
-    base then read far worse, gold passage tail 0.24, and wrote no better rule documents.)"""
+    path will. (With a quarter of them as one-shot GenRead prompts instead, the base reads far
+    worse, gold passage tail 0.24, and writes no better rule documents.)"""
     if rng.random() < 0.5:
         return genread_prompt_text(question), f" {document}"
     head = base_prompt_text(question, [document]).removesuffix(f" {document}{ANSWER_PREFIX}")

@@ -137,7 +137,7 @@ LINKS = {
     "person": {"born_in": "city", "employer": "company"}, "company": {"headquarters": "city"},
     "band": {"hometown": "city", "label": "company"},
 }
-# Chain questions (world version 3): the answer is a fact of the entity the subject's link names
+# Chain questions: the answer is a fact of the entity the subject's link names
 # ("In what country was X born?" = the country of X's birthplace). A model that knows both facts
 # answers one only after stating the first, the compositionality gap of real LMs, so these are
 # the world's facts usable only after verbalizing them. (type, link) -> (attribute of the
