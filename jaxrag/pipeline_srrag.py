@@ -41,16 +41,14 @@ def dataset_items(cfg: ConfigDict, workdir: Path, names, split: str) -> list[tup
         if is_embedded(cfg):
             examples = read_examples(workdir / "world" / "datasets" / name / f"{split}.jsonl")
         else:
-            from jaxrag.data.loaders import load_dataset_examples
+            from jaxrag.data.check import dataset_examples
             from jaxrag.data.mixture import mixture_split
 
+            examples = dataset_examples(cfg, name)  # at the paper's split (TriviaQA: validation)
             if name in cfg.data.train:
-                pool = load_dataset_examples(name, cfg.data.paths.get(name) or None)
-                train, val = mixture_split(pool, int(cfg.data.train_sizes[name]),
+                train, val = mixture_split(examples, int(cfg.data.train_sizes[name]),
                                            int(cfg.data.validation_sizes[name]), int(cfg.seed), name)
                 examples = {"train": train, "validation": val}[split]
-            else:
-                examples = load_dataset_examples(name, cfg.data.paths.get(name) or None, split)
         items += [(name, ex) for ex in examples]
     return items
 

@@ -287,5 +287,7 @@ def test_invalid_json_duplicate_ids_and_empty_results(tmp_path):
 
 def test_hub_offline_says_how_to_point_at_local_files():
     msg = error("popqa")  # conftest sets HF_HUB_OFFLINE=1; nothing is cached
-    assert "akariasai/PopQA" in msg and "--config.data.eval.popqa=" in msg
-    assert "--config.data.train.asqa=" in error("asqa")
+    assert msg.startswith("popqa: could not load akariasai/PopQA split 'test' from the Hugging Face Hub (")
+    assert msg.endswith("Offline, point at a local file in a public format "
+                        "(.jsonl/.json/.tsv/.csv/.parquet): --config.data.paths.popqa=/path/to/popqa.jsonl")
+    assert error("asqa").endswith(" --config.data.paths.asqa=/path/to/asqa.jsonl")

@@ -15,6 +15,7 @@ answer, with the public answer key and labels in metadata.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import string
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxrag.data.schema import QAExample
+from jaxrag.data.schema import UNK_ANSWER, QAExample, unk_message
 from jaxrag.data.world_text import CLAIM
 from jaxrag.errors import JaxragError
 
@@ -34,7 +35,7 @@ Record = dict[str, Any]  # a QAExample.from_dict record, validated by it
 class DatasetSpec:
     """One dataset: where it lives on the Hub, the split the paper uses, how it is scored."""
 
-    role: str  # "eval" | "train": the config section that names its local file
+    role: str  # "eval" | "train": listed in config.data.eval or config.data.train
     hub: str
     config: str | None
     split: str
@@ -47,17 +48,36 @@ def load_dataset_examples(name: str, path: str | Path | None = None,
     """Examples of dataset `name` (a `DATASETS` key) from the local file `path`, or from the Hub.
 
     `split` defaults to the paper's (`DATASETS[name].split`); for a local file it only selects
-    the split of a JSON object keyed by split (ASQA's `ASQA.json`). Errors are one JaxragError
-    naming `file:row` (the JSONL line; the data row for TSV/CSV/parquet) and the field.
+    the split of a JSON object keyed by split (ASQA's `ASQA.json`). Every row is validated as it
+    is read: errors are one JaxragError naming `file:row` (the JSONL line; the data row for
+    TSV/CSV/parquet) and the field. A file is parsed once per process: later calls with the same
+    contents (the pipeline's preflight, construct and eval) get the examples already read.
     """
     if name not in DATASETS:
         raise JaxragError(f"unknown dataset {name!r} (known: {', '.join(DATASETS)})")
+    split = split or DATASETS[name].split
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise JaxragError(f"{path}: no such file")
+        with open(path, "rb") as f:  # by contents: a rewritten file is read again
+            key = (name, split, hashlib.file_digest(f, "sha256").hexdigest())
+    else:
+        key = (name, split, None)
+    if key not in _LOADED:
+        _LOADED[key] = _load(name, path, split)
+    return list(_LOADED[key])
+
+
+_LOADED: dict[tuple[str, str, str | None], list[QAExample]] = {}
+
+
+def _load(name: str, path: Path | None, split: str) -> list[QAExample]:
     spec = DATASETS[name]
-    split = split or spec.split
     if path is None:
         source, rows = f"{spec.hub}[{split}]", _hub_rows(name, spec, split)
     else:
-        source, rows = str(path), _file_rows(Path(path), split)
+        source, rows = str(path), _file_rows(path, split)
     examples, first_row = [], {}
     for n, row in rows:
         where = f"{source}:{n}"
@@ -82,8 +102,6 @@ def load_dataset_examples(name: str, path: str | Path | None = None,
 # --- reading rows -------------------------------------------------------------------------------
 
 def _file_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
-    if not path.is_file():
-        raise JaxragError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return _jsonl_rows(path)
@@ -143,20 +161,28 @@ def _hub_rows(name: str, spec: DatasetSpec, split: str) -> Iterator[tuple[int, A
         raise JaxragError(
             f"{name}: could not load {hub} split {split!r} from the Hugging Face Hub "
             f"({type(e).__name__}: {e}). Offline, point at a local file in a public format "
-            f"(.jsonl/.json/.tsv/.csv/.parquet), e.g. --config.data.{spec.role}.{name}="
+            f"(.jsonl/.json/.tsv/.csv/.parquet): --config.data.paths.{name}="
             f"/path/to/{name}.jsonl") from None
     return enumerate(rows, start=1)
 
 
 # --- field helpers ------------------------------------------------------------------------------
 
-def _field(row: Row, keys: tuple[str, ...], where: str) -> Any:
-    """The first present of `keys`: public releases name the same field differently."""
+def _present(value: Any) -> bool:
+    return value not in (None, [], {}) and not (isinstance(value, str) and not value.strip())
+
+
+def _key(row: Row, keys: tuple[str, ...], where: str) -> str:
+    """The first of `keys` present and non-blank: public releases name the same field differently."""
     for key in keys:
-        if row.get(key) not in (None, "", []):
-            return row[key]
+        if _present(row.get(key)):
+            return key
     also = f" (nor {', '.join(map(repr, keys[1:]))})" if len(keys) > 1 else ""
-    raise JaxragError(f"{where}: field {keys[0]!r}: missing{also}")
+    raise JaxragError(f"{where}: field {keys[0]!r}: missing or empty{also}")
+
+
+def _field(row: Row, keys: tuple[str, ...], where: str) -> Any:
+    return row[_key(row, keys, where)]
 
 
 def _decode(value: Any) -> Any:
@@ -174,8 +200,8 @@ def _decode(value: Any) -> Any:
 
 def _answers(row: Row, keys: tuple[str, ...], where: str) -> list[str]:
     """Gold strings from a list, a string, TriviaQA's {value, aliases} or KILT's output list."""
-    value = _decode(_field(row, keys, where))
-    key = next(k for k in keys if row.get(k) not in (None, "", []))
+    key = _key(row, keys, where)
+    value = _decode(row[key])
     if isinstance(value, dict):
         value = [value.get("value"), *(value.get("aliases") or [])]
     items = value if isinstance(value, list) else [value]
@@ -185,6 +211,8 @@ def _answers(row: Row, keys: tuple[str, ...], where: str) -> list[str]:
             item = item.get("answer")  # KILT: entries with only provenance carry no answer
         if isinstance(item, (int, float)) and not isinstance(item, bool):
             item = str(item)  # a year or count written as a JSON number
+        if isinstance(item, str) and item.strip() == UNK_ANSWER:
+            raise JaxragError(f"{where}: field {key!r}: {unk_message()}")
         if isinstance(item, str) and item.strip() and item not in answers:
             answers.append(item)
         elif item is not None and not isinstance(item, str):
@@ -318,6 +346,9 @@ def _multiple_choice(row: Row, where: str) -> Record:
         raise JaxragError(f"{where}: field 'choices': expected {{text: [..], label: [..]}} "
                           "or a list of {text, label}")
     labels = [str(label) for label in labels]
+    blank = next((label for label, text in zip(labels, texts) if not text.strip()), None)
+    if blank is not None:
+        raise JaxragError(f"{where}: field 'choices': option {blank!r} has no text")
     key = str(_field(row, ("answerKey",), where)).strip()
     if key not in labels:
         raise JaxragError(f"{where}: field 'answerKey': {key!r} is not a choice label {labels}")

@@ -1,10 +1,11 @@
 """The paper's training mixture (App. B.1, Table 5) and stratified samples of it.
 
 Real data: each training dataset's public train split is the pool; `mixture_split` draws the
-configured validation and train counts from it without overlap, deterministically from the seed
-(a pool smaller than both keeps its validation share first and trains on the rest). The baselines'
-training samples (IK, SeaKR, CCSK fit on at most `baselines.max_train_questions`) are stratified
-over the datasets with `stratified_sample`, so no single dataset fills the budget.
+configured validation and train counts from it without overlap, deterministically from the seed.
+A pool smaller than both is refused before any stage runs (`data.check`); here it would keep its
+validation share first and train on the rest. The baselines' training samples (IK, SeaKR, CCSK
+fit on at most `baselines.max_train_questions`) are stratified over the datasets with
+`stratified_sample`, so no single dataset fills the budget.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ from typing import Any
 from jaxrag.errors import JaxragError
 
 _FIELDS = ("id", "question", "golden_answers", "choices", "metadata")
+# The Hub's stand-in for a withheld answer (TriviaQA's test split: every answer is "<unk>",
+# huggingface/datasets#804); scored as gold it would make accuracy ~0 without a word.
+UNK_ANSWER = "<unk>"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class QAExample:
         if not isinstance(question, str) or not question.strip():
             raise JaxragError(f"{where}: field 'question': expected a non-empty string")
         answers = _string_list(_required(record, "golden_answers", where), "golden_answers", where)
+        if any(a.strip() == UNK_ANSWER for a in answers):
+            raise JaxragError(f"{where}: field 'golden_answers': {unk_message()}")
         choices = record.get("choices")
         if choices is not None:
             choices = _string_list(choices, "choices", where)
@@ -76,9 +81,17 @@ def _required(record: dict, name: str, where: str) -> Any:
     return record[name]
 
 
+def unk_message() -> str:
+    return (f"{UNK_ANSWER!r} is the Hub's placeholder for a withheld answer, not an answer "
+            "(TriviaQA's test split; use its validation split, huggingface/datasets#804)")
+
+
 def _string_list(value: Any, name: str, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise JaxragError(f"{where}: field {name!r}: expected a non-empty list of strings")
+    blank = next((i for i, v in enumerate(value, start=1) if not v.strip()), None)
+    if blank is not None:
+        raise JaxragError(f"{where}: field {name!r}: entry {blank} is empty")
     return tuple(value)
 
 
