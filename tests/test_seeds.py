@@ -70,8 +70,9 @@ KEPT = Path(__file__).parent.parent / "results" / "embedded" / "world-v7"
 
 
 def test_kept_runs_are_the_current_tiny_recipe(capsys):
-    """The README's pooled table is recomputable from results/embedded/, and those runs are of the
-    tiny config as it stands: a recipe change must rerun them into a new folder."""
+    """The pooled table of the embedded default (docs/embedded-world.md) is recomputable from
+    results/embedded/world-v7/, and those runs are of the tiny config as it stands: a recipe
+    change must rerun them into a new folder."""
     from jaxrag.config import get_config_for
     from jaxrag.eval.seeds import recipe
 
