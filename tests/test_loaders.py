@@ -291,3 +291,54 @@ def test_hub_offline_says_how_to_point_at_local_files():
     assert msg.endswith("Offline, point at a local file in a public format "
                         "(.jsonl/.json/.tsv/.csv/.parquet): --config.data.paths.popqa=/path/to/popqa.jsonl")
     assert error("asqa").endswith(" --config.data.paths.asqa=/path/to/asqa.jsonl")
+
+
+# Every dataset, in each public format: a row without a usable question or answer stops the load.
+BAD_ROWS = [  # (dataset, writer, file name, good row, bad row, the error after "file:2: ")
+    ("popqa", tsv, "popqa.tsv", POPQA[0], {**POPQA[0], "id": 9, "possible_answers": "[]"},
+     "field 'possible_answers': no answer"),
+    ("popqa", jsonl, "popqa_longtail_w_gs.jsonl", {"question": "Q?", "answers": ["a"]},
+     {"question": "Q?", "answers": ["<unk>"]}, "field 'answers': <unk>"),
+    ("triviaqa", parquet, "tqa.parquet", {"question": "Q?", "question_id": "t1", "answer": {"value": "a", "aliases": []}},
+     {"question": "R?", "question_id": "t2", "answer": {"value": "<unk>", "aliases": []}}, "field 'answer': <unk>"),
+    ("triviaqa", jsonl, "triviaqa_test_w_gs.jsonl", {"question": "Q?", "answers": ["a"]},
+     {"question": "  ", "answers": ["b"]}, "field 'question': missing or empty (nor 'input')"),
+    ("pubhealth", parquet, "h.parquet", HEALTH_FACT[0], {**HEALTH_FACT[2], "claim": " "},
+     "field 'claim': missing or empty (nor 'question', 'input')"),
+    ("pubhealth", tsv, "h.tsv", {"claim_id": 1, "claim": "c", "label": "true"},
+     {"claim_id": 2, "claim": "d", "label": ""}, "field 'label': missing or empty"),
+    ("pubhealth", jsonl, "health_claims_processed.jsonl", {"question": "c", "answers": ["true"]},
+     {"question": "d", "answers": ["<unk>"]}, "field 'answers': <unk>"),
+    ("arc_challenge", parquet, "arc.parquet", ARC_HF[0],
+     {**ARC_HF[0], "id": "x", "choices": {"text": ["a", "", "c"], "label": ["A", "B", "C"]}},
+     "field 'choices': option 'B' has no text"),
+    ("arc_easy", jsonl, "ARC-Easy-Train.jsonl",
+     {"id": "q1", "answerKey": "A", "question": {"stem": "S?", "choices": [{"text": "x", "label": "A"}]}},
+     {"id": "q2", "answerKey": "A", "question": {"stem": " ", "choices": [{"text": "x", "label": "A"}]}},
+     "question: field 'stem': missing or empty"),
+    ("obqa", parquet, "obqa.parquet", {"id": "o1", "question_stem": "S", "choices": ARC_HF[0]["choices"], "answerKey": "A"},
+     {"id": "o2", "question_stem": "S", "choices": ARC_HF[0]["choices"], "answerKey": ""},
+     "field 'answerKey': missing or empty"),
+    ("nq", jsonl, "nq.jsonl", {"question": "q", "answer": ["a"]}, {"question": "r", "answer": ["", " "]},
+     "field 'answer': no answer"),
+    ("wow", jsonl, "wow-train-kilt.jsonl", {"id": "w1", "input": "hi", "output": [{"answer": "x"}]},
+     {"id": "w2", "input": "hi", "output": [{"provenance": [{"title": "T"}]}]}, "field 'output': no answer"),
+    ("fever", jsonl, "fever-train-kilt.jsonl", {"id": "f1", "input": "c", "output": [{"answer": "SUPPORTS"}]},
+     {"id": "f2", "input": "d", "output": []}, "field 'output': missing or empty"),
+    ("asqa", parquet, "asqa.parquet", ASQA, {**ASQA, "sample_id": "s2", "annotations": [{"long_answer": " "}]},
+     "field 'annotations': no long_answer"),
+    ("nq", jsonl, "flashrag.jsonl", {"id": "1", "question": "q", "golden_answers": ["a"]},
+     {"id": "2", "question": "q", "golden_answers": ["b", " "]}, "field 'golden_answers': entry 2 is empty"),
+    ("popqa", jsonl, "flashrag.jsonl", {"id": "1", "question": "q", "golden_answers": ["a"]},
+     {"id": "2", "question": "q", "golden_answers": ["<unk>"]}, "field 'golden_answers': <unk>"),
+]
+UNK = ("'<unk>' is the Hub's placeholder for a withheld answer, not an answer "
+       "(TriviaQA's test split; use its validation split, huggingface/datasets#804)")
+
+
+@pytest.mark.parametrize("name, write, file, good, bad, field", BAD_ROWS,
+                         ids=[f"{r[0]}-{r[2]}" for r in BAD_ROWS])
+def test_each_format_refuses_rows_without_question_or_answer(tmp_path, name, write, file, good, bad, field):
+    path = write(tmp_path / file, [good, bad])
+    assert len(load_dataset_examples(name, write(tmp_path / ("ok-" + file), [good]))) == 1
+    assert error(name, path) == f"{path}:2: {field.replace('<unk>', UNK)}"

@@ -53,6 +53,19 @@ def test_errors_name_file_line_and_field(tmp_path, record, field):
         read_examples(path)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"golden_answers": ["here", "  "]}, "field 'golden_answers': entry 2 is empty"),
+    ({"choices": ["here", ""]}, "field 'choices': entry 2 is empty"),
+    ({"golden_answers": [" <unk>"]}, "field 'golden_answers': '<unk>' is the Hub's placeholder for a withheld "
+     "answer, not an answer (TriviaQA's test split; use its validation split, huggingface/datasets#804)"),
+])
+def test_blank_and_withheld_answers_are_refused(tmp_path, change, message):
+    path = write_lines(tmp_path / "d.jsonl", json.dumps(GOOD | {"id": "q0"}), json.dumps(GOOD | change))
+    with pytest.raises(JaxragError) as info:
+        read_examples(path)
+    assert str(info.value) == f"{path}:2: {message}"
+
+
 def test_invalid_json_names_the_line(tmp_path):
     path = write_lines(tmp_path / "d.jsonl", json.dumps(GOOD), "{not json")
     with pytest.raises(JaxragError, match=r"d\.jsonl:2: invalid JSON"):
