@@ -14,9 +14,11 @@ whose SUBJECT names the article's title; `term` = SUBJECT without its article):
 - definition: (term, description), the description = COMPLEMENT up to the first ';' (cut at
   the last comma before word 25 when longer), starting with a/an/the when singular;
 - noun phrase: COMPLEMENT's article + words up to the first comma, preposition other than "of",
-  relative pronoun, conjunction, or participle (-ed/-ing after two words), >= 2 words;
-- creator: "<work noun> [directed|written|painted|composed] by [role] NAME" -> (term, relation
-  author|director|painter|composer, NAME);
+  relative pronoun, conjunction, or, after the first word, a participle or adverb (-ed, -ing, -ly,
+  or a listed irregular one); >= 2 words, not ending in an adjective suffix; its head word is
+  the last before "of" (after "of" for generic words: "a type of song" -> song);
+- creator: "<work noun> [... directed|written|painted|composed] by [role] NAME" -> (term,
+  relation author|director|painter|composer (the verb nearest "by", else the work noun), NAME);
 - capital: "... is [the] capital [city] [and ... city] of Y" -> (Y, term); and "Its capital [and
   largest city] is Z" in any sentence -> (title, Z);
 - alias: an aside "[also|commonly|...] known as|called ALIAS" -> (term, ALIAS).
@@ -74,7 +76,11 @@ FILES = {"popqa": "popqa.tsv", "triviaqa": "triviaqa.jsonl", "pubhealth": "pubhe
 _ABBREV = re.compile(r"(?:\b[A-Z]|\b(?:St|Mt|Dr|Mr|Mrs|Jr|Sr|c|ca|vs|No|etc|approx|i\.e|e\.g))\.$")
 _COPULA = re.compile(r"\s(is|are|was|were)\s")
 _STOP = {"in", "on", "at", "by", "for", "from", "with", "to", "that", "which", "who", "whose",
-         "where", "and", "or", "but", "as", "located", "known", "called", "used", "is", "are"}
+         "where", "and", "or", "but", "as", "is", "are", "known", "called", "found", "made",
+         "worn", "built", "held", "grown", "given", "seen", "written", "taken", "born", "kept"}
+_ING_NOUNS = {"painting", "building", "clothing", "wedding", "king", "ring", "string", "thing",
+              "wing", "spring", "ceiling", "being", "meaning", "writing", "printing", "drawing",
+              "engraving", "morning", "evening", "housing", "swimming", "skiing", "boxing"}
 _GENERIC = {"type", "types", "form", "forms", "kind", "style", "member", "part", "genre", "group",
             "collection", "series", "family", "set", "branch", "piece", "work", "class", "variety",
             "field", "system", "range", "body", "one", "example", "method", "term", "way", "use"}
@@ -89,7 +95,7 @@ _CREATOR = re.compile(rf"\b(?P<noun>{'|'.join(_WORKS.values())})s?\b(?P<mid>(?: 
 _CAPITAL = re.compile(rf"(?:^|\band )the capital(?: city)?(?: and [\w -]+? city)? of (?P<of>(?:the )?{_NAME})(?=[,.;]|$)")
 _ITS_CAPITAL = re.compile(rf"\bIts capital(?: and (?:largest|most populous) city)? is (?P<cap>{_NAME})")
 _ALIAS = re.compile(r"^,?\s*(?:\([^)]*\),?\s*)?(?P<how>(?:also |more |most |commonly |often |sometimes )*"
-                    r"(?:known as|called))\s+(?P<alias>[^,()]+?)\s*(?:,|\)|$| or )")
+                    r"(?:known as|called))\s+(?P<alias>[^,()]+?)\s*(?:,|\)|$| or | in )")
 POPQA = {"author": "Who is the author of {}?", "director": "Who was the director of {}?",
          "composer": "Who was the composer of {}?", "capital": "What is the capital of {}?"}
 ASK_VERBS = {"author": "wrote", "director": "directed", "painter": "painted", "composer": "composed"}
@@ -133,9 +139,10 @@ def noun_phrase(complement: str) -> str | None:
     out = [words[0]]
     for w in words[1:]:
         bare = w.rstrip(",;.:")
-        if bare.lower() in _STOP or bare.startswith("(") or (len(out) > 2 and (
+        if bare.lower() in _STOP or bare.startswith("(") or (len(out) >= 2 and (
                 re.fullmatch(r"[a-z]+ed", bare) or re.fullmatch(r"[a-z]+ly", bare)
-                and bare not in _LY_NOUNS)):
+                and bare not in _LY_NOUNS or re.fullmatch(r"[a-z]+ing", bare)
+                and bare not in _ING_NOUNS)):
             break
         out.append(bare)
         if bare != w:
@@ -143,7 +150,7 @@ def noun_phrase(complement: str) -> str | None:
     while len(out) > 1 and out[-1].lower() in ("of", "the", "a", "an"):
         out.pop()
     last = out[-1].lower()
-    if len(out) < 3 or re.search(r"(?:ing|al|ic|ous|ive|ful|less|able|ible|ary|ed|ern)$", last):
+    if len(out) < 3 or re.search(r"(?:al|ic|ous|ive|ful|less|able|ible|ary|ed|ern|-)$", last):
         return None
     return " ".join(out)
 
@@ -202,9 +209,9 @@ def paragraph_facts(index: int, title: str, raw: str) -> dict:
     facts["np"] = noun_phrase(complement)
     if m := _CREATOR.search(re.split(r",| that | which | adapted | based ", complement)[0]):
         mid = m["mid"].split()
-        rel = next((_VERBS[w] for w in mid if w in _VERBS), None)
-        if rel is None and not mid:
-            rel = next(r for r, pat in _WORKS.items() if re.fullmatch(pat, m["noun"]))
+        last = ([m["noun"], *mid][-1]).removesuffix("s")  # the work noun right before "by"
+        rel = next((_VERBS[w] for w in reversed(mid) if w in _VERBS), None) or next(
+            (r for r, pat in _WORKS.items() if re.fullmatch(pat, last)), None)
         who = m["name"].rstrip(".")
         if rel and not leaks(term, who):
             facts["creator"] = (rel, who)
