@@ -21,32 +21,38 @@ whose SUBJECT names the article's title; `term` = SUBJECT without its article):
   relation author|director|painter|composer (the verb nearest "by", else the work noun), NAME);
 - capital: "... is [the] capital [city] [and ... city] of Y" -> (Y, term); and "Its capital [and
   largest city] is Z" in any sentence -> (title, Z);
+- year: COMPLEMENT starts "a|an YYYY" and has a noun phrase -> (term, YYYY);
 - alias: an aside "[also|commonly|...] known as|called ALIAS" -> (term, ALIAS).
 A question is dropped when it contains a word of its answer (first 5 letters of words >= 4
 letters), or when its source sentence straddles two 100-word passages.
 
-Datasets (each paragraph is the source of at most one question across all datasets, taken in a
-seed-shuffled order; distractors and swaps come from any paragraph's facts):
+Datasets, each taking up to `--per-dataset` facts in its own seed-shuffled order. A paragraph is
+the source of at most one question per dataset; one used by an evaluation set (popqa, triviaqa,
+pubhealth, arc_challenge) is used by no other dataset, so no test fact is trained on. Distractors
+and swaps come from any paragraph's facts.
 - popqa (PopQA test.tsv columns): creator author/director/composer and capital facts with
   PopQA's templates ("Who is the author of X?", "What is the capital of Y?").
 - triviaqa (HF trivia_qa rows): definition -> "What is the name of the <description>?" (plural:
   "What are <description> called?"), answer the term (aliases: the title when in the text).
-- pubhealth (PUBHEALTH TSV): noun phrase -> claim "<Term> is <NP>." label true; half the claims
+- pubhealth (PUBHEALTH TSV): noun phrase -> claim "<Term> is|are <NP>." label true; half the claims
   swap in the NP of another paragraph with a different head word -> false.
 - arc_challenge (ARC JSONL): definition -> "Which of these is <description>?"; the term plus
-  3 distractor terms whose noun phrase has the same head word (else the next terms).
-- nq (FlashRAG JSONL): alias -> "What is X <also known as|commonly called|...>?".
-- fever (FEVER JSONL): creator -> "X was <written|directed|painted|composed> by NAME."
-  SUPPORTS; half swap NAME for another paragraph's creator of the same relation -> REFUTES.
+  3 terms of paragraphs whose noun phrases have other head words.
+- nq (FlashRAG JSONL): alias -> "What is X <also known as|commonly called|...>?"; else year,
+  for a film/album/song/game, novel/book/poem or painting -> "In which year was X
+  released|published|painted?"; else creator -> "Who wrote|directed|painted|composed X?".
+- fever (FEVER JSONL): noun phrase -> claim "<Term> is|are <NP>." SUPPORTS; every other claim is
+  falsified -> REFUTES: the NP's year swapped for another paragraph's year when it has one,
+  else the NP swapped as for pubhealth.
 - obqa (OpenBookQA JSONL, fact1 = the sentence): noun phrase -> stem "<Term> is", choices
   the NP plus 3 NPs of other paragraphs with different head words.
 - arc_easy (ARC JSONL): noun phrase -> "Which of these is <NP>?", the term plus 3 terms whose
   NPs have different head words.
 - wow (FlashRAG JSONL): a dialogue "<title> / Have you heard of <title>? / <sentence 1> / Tell
-  me more." answered by the paragraph's second sentence.
-- asqa (ASQA.json): two paragraphs whose noun phrases are the same words -> the ambiguous
-  "What is <NP>?", qa_pairs = each paragraph's definition question and term, long answer
-  "<Term1> is <description1>, while <term2> is <description2>."
+  me more." answered by the paragraph's second sentence (>= 6 words).
+- asqa (ASQA.json): two paragraphs ("X is ...") whose noun phrases share the head word -> the
+  ambiguous "What is the name of the <head word>?", qa_pairs = each one's triviaqa question and
+  term, long answer "<Term1> is <description1>, while <term2> is <description2>."
 Multiple-choice answers sit at a seeded position among labels A-D; claims alternate true/false
 in the seed-shuffled order. `provenance.json` gives, per dataset and file row, the corpus
 passage id(s) holding the answer.
