@@ -82,6 +82,10 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
     gates, both on questions no dataset holds (never a test question):
     - reading: seed 0's base read 0.39 of fresh-entity questions with the gold passage where
       seeds 1 and 5407 read 0.90, and 300 more steps (also reading-heavy ones) left it at 0.37-0.40;
+      it is asked as the pipeline asks (`probe.fresh_reading`: `retrieval.n_passages` passages in
+      the index's format, in the base prompt and in the routed `<EOQ><Wiki>` prompt truncated at
+      `inference.max_knowledge_tokens`; the lower of the two), since a base that read one gold
+      passage in its own format could still fail on what retrieval hands it;
     - verbalizing: seed 2253's base (2026-11-27) read 0.91 but its GenRead documents stated the
       rule of 0.245 of fresh rule questions (other bases: 0.975-1.0), naming other categories'
       rules, so its <Self> path fell to chance on ARC-Challenge.
@@ -100,7 +104,9 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
             run_cfg.seed = int(cfg.seed) + 1_000_003 * attempt
         train_dir = workdir / "base_train" / (f"attempt{attempt}" if attempt else "")
         model = train_lm(_tiny_model(run_cfg, workdir), world.pretraining_documents, run_cfg, train_dir)
-        scores.append({"reading": fresh_reading(model, world, int(probe.reading_questions)),
+        reading = fresh_reading(model, world, int(probe.reading_questions), passages=int(cfg.retrieval.n_passages),
+                                max_knowledge_tokens=int(cfg.inference.max_knowledge_tokens))
+        scores.append({"reading": reading["reading"], "reading_prompts": reading,
                        "verbalization": fresh_rule_verbalization(model, world, int(probe.rule_questions),
                                                                  int(cfg.construct.verbalize_max_tokens))})
         print(f"  base attempt {attempt}: reads {scores[-1]['reading']:.2f} of fresh-entity questions with the gold "
@@ -112,6 +118,7 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
         if margin >= 0:
             break
     record = {"fresh_reading": scores[kept]["reading"], "reading_attempts": [s["reading"] for s in scores],
+              "reading_prompts_attempts": [s["reading_prompts"] for s in scores],
               "reading_gate_passed": scores[kept]["reading"] >= gates["reading"],
               "fresh_rule_verbalization": scores[kept]["verbalization"],
               "verbalization_attempts": [s["verbalization"] for s in scores],
@@ -207,9 +214,19 @@ def preflight(cfg: ConfigDict) -> None:
     except JaxragError as e:
         raise JaxragError(f"{e}. Download the weights and pass --config.model.path=/path/to/hf_model_dir "
                           "(plus --config.retrieval.corpus=/path/psgs_w100.tsv and --config.data.paths.NAME=/path per dataset)") from None
+
+
+# Stages that run the decoder's programs (`jaxrag.plan_programs`): before the first of them runs,
+# every program must fit in device (accelerators) or host (CPU) memory.
+DECODER_STAGES = ("construct", "stage1", "stage2", "datastore", "baselines", "eval")
+
+
+def check_fit_before(cfg: ConfigDict, names, steps) -> None:
+    if is_embedded(cfg) or all(s.action in ("skip", "adopt") for n, s in zip(names, steps) if n in DECODER_STAGES):
+        return
     from jaxrag.plan_fit import check_fit
 
-    check_fit(cfg)  # on accelerators: every program fits in device memory, or stop now (jaxrag.plan)
+    check_fit(cfg)  # every program fits, or stop now with the setting to change (jaxrag.plan)
 
 
 def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
@@ -232,6 +249,7 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
         stages, names = stages[: names.index(stop_after) + 1], names[: names.index(stop_after) + 1]
     done = {name: workdir.is_dir() and is_done(workdir) for name, _, is_done in stages}
     steps = provenance.plan(cfg, workdir, names, done, is_embedded(cfg), cfg.pipeline.get("rerun_from", ""))
+    check_fit_before(cfg, names, steps)
     workers = _workers(cfg)
     workdir.mkdir(parents=True, exist_ok=True)
     leader = _is_leader()

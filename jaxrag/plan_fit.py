@@ -94,19 +94,31 @@ def accelerator_of(device) -> str:
     return "a100" if "a100" in kind else "v5e" if "v5 lite" in kind or "v5e" in kind else "v5p" if "v5" in kind else "h100"
 
 
-def check_fit(cfg) -> None:
-    """The pipeline's preflight on accelerators: compiles the programs on the real devices (their
-    own allocator limit is the usable memory) and raises one line per program that would run
-    out of memory. CPU backends are skipped."""
-    import jax
+def host_memory_gb() -> float:
+    """Physical memory of this host (what a CPU backend allocates from)."""
+    import os
 
-    if jax.default_backend() == "cpu":
-        return
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+def check_fit(cfg) -> None:
+    """The pipeline's preflight: compiles the programs on the devices it will run on and raises
+    one line per program that would run out of memory. Accelerators: against their allocator
+    limit. CPU: against host memory, at the dtypes the CPU runs (`auto` = float32)."""
+    import jax
+    from ml_collections import ConfigDict
+
     devices = jax.devices()
-    stats = devices[0].memory_stats() or {}
-    usable = stats.get("bytes_limit", 0) / 1e9
-    if not usable:
-        return
+    if jax.default_backend() == "cpu":
+        cfg = ConfigDict(cfg.to_dict())
+        for field in ("dtype", "base_dtype"):
+            if cfg.model.get(field) == "auto":
+                cfg.model[field] = "float32"
+        usable, where = host_memory_gb(), "host memory"
+    else:
+        usable, where = (devices[0].memory_stats() or {}).get("bytes_limit", 0) / 1e9, "device memory"
+        if not usable:
+            return
     rows = measure(cfg, devices, accelerator_of(devices[0]), usable, DEFAULT_HEADROOM, DEFAULT_MFU, log=lambda *_: None)
     if bad := failures(rows, usable, DEFAULT_HEADROOM, len(devices)):
-        raise JaxragError("these programs would run out of device memory (jaxrag.plan):\n  " + "\n  ".join(bad))
+        raise JaxragError(f"these programs would run out of {where} (jaxrag.plan):\n  " + "\n  ".join(bad))

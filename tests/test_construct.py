@@ -365,3 +365,31 @@ def test_relabel_drops_records_with_no_context_of_the_new_label():
     assert all(c["source"] == "wiki" for r in selective for c in r["contexts"])
     as_records(no_kv, ("wiki", "self"))  # what stage 1 reads: no error
     as_records(selective, ("wiki", "none"))
+
+
+def test_a_question_too_long_to_train_on_is_dropped_and_counted(tmp_path):
+    """Stage 1 never truncates the question or the answer: a pair longer than model.max_length is
+    dropped at construct (counted in stats.json and the report), and the rest train as usual."""
+    from jaxrag.train.batches import RecordData, read_records
+
+    long_q = ("nq", QAExample("long", "who " + "really " * 60 + "wrote it?", ("Hawthorne",)))
+    tok = model().tokenizer
+    # The stage-1 sequence without knowledge, counted directly: prompt + <EOQ>, source, <EOK>, " Answer:", answer, EOS.
+    prompt = tok(f"Question: {long_q[1].question} Background knowledge:")["input_ids"]
+    need = len(prompt) + 1 + 1 + 1 + len(tok(" Answer:", add_special_tokens=False)["input_ids"]) \
+        + len(tok(" Hawthorne", add_special_tokens=False)["input_ids"]) + 1
+    short = max(C.training_lengths(tok, C.prepare_items(EXAMPLES[:3])[0]))
+    assert short < 100 < need
+    with pytest.warns(UserWarning, match="dropping 1 questions .* model.max_length=100"):
+        out = C.construct(model(), [*EXAMPLES[:3], long_q], retrieve, HashEncoder(), SECTION, tmp_path / "a",
+                          progress=False, max_length=100)
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["datasets"]["nq"]["too_long"] == 1 and stats["datasets"]["nq"]["n"] == 3
+    assert "long" not in {r["id"] for r in records_of(out)}
+    assert "| 0 / 1 / 0 |" in C.stats_markdown(stats)
+    records = [r for p in sorted(out.glob("shard-*.jsonl")) for r in read_records(p, model().sources)]
+    RecordData(records, tok, 100, 2.0, 0)  # stage 1's batching accepts every kept record
+    assert need == C.training_lengths(tok, C.prepare_items([long_q])[0])[0]
+    with pytest.raises(JaxragError, match="every question .* longer than model.max_length=8"):
+        C.construct(model(), EXAMPLES[:3], retrieve, HashEncoder(), SECTION, tmp_path / "b", progress=False,
+                    max_length=8)

@@ -66,7 +66,7 @@ from jaxrag.decode.sampler import SamplingParams
 from jaxrag.decode.scoring import score
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import NONE, SELF, WIKI
-from jaxrag.prompts import answer_ids, base_prompt_ids, base_prompt_text
+from jaxrag.prompts import answer_ids, answer_prefix_ids, base_prompt_ids, base_prompt_text, prompt_ids
 
 __all__ = ["ConstructParams", "answer_logliks", "best_worst", "construct", "construct_done", "construct_stats",
            "label_source", "no_context_label", "read_construct", "source_logliks", "stats_markdown"]
@@ -294,6 +294,30 @@ def construct_shard(model, items: Sequence[Item], shard: int, pools: dict[str, D
 # The stage: shards, resumption, hosts
 # ---------------------------------------------------------------------------------------------
 
+def training_lengths(tokenizer, items: Sequence[Item]) -> list[int]:
+    """Tokens of each item's stage-1 sequence without its knowledge (`train.batches.assemble`:
+    the prompt up to <EOQ>, the source token, `<EOK> Answer:` and the answer + EOS), the part
+    that training never truncates."""
+    prompts = prompt_ids(tokenizer, [it.question for it in items])
+    answers = answer_ids(tokenizer, [it.answers[0] for it in items])
+    tail = len(answer_prefix_ids(tokenizer))
+    return [len(p) + 1 + tail + len(a) for p, a in zip(prompts, answers)]
+
+
+def drop_too_long(tokenizer, items: list[Item], max_length: int) -> tuple[list[Item], Counter]:
+    """Items whose question and answer alone exceed the training length `max_length` are dropped
+    here (their knowledge would be cut to nothing), counted per dataset, never raised in stage 1."""
+    if not max_length or not items:
+        return items, Counter()
+    lengths = training_lengths(tokenizer, items)
+    dropped = Counter(it.dataset for it, n in zip(items, lengths) if n > max_length)
+    if dropped:
+        warnings.warn(f"construct: dropping {sum(dropped.values())} questions whose question and answer alone take "
+                      f"more than model.max_length={max_length} tokens "
+                      f"({', '.join(f'{d}: {k}' for d, k in sorted(dropped.items()))})", stacklevel=3)
+    return [it for it, n in zip(items, lengths) if n <= max_length], dropped
+
+
 def prepare_items(examples: Iterable[tuple[str, QAExample]]) -> tuple[list[Item], Counter]:
     """(dataset, example) pairs -> items sorted by (dataset, id), and per dataset the number of
     questions skipped for having no non-empty golden answer (never silently: a warning too)."""
@@ -332,14 +356,16 @@ def _check_manifest(out_dir: Path, manifest: dict, process_index: int, timeout_s
 def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrieve, encoder, section,
               out_dir: str | os.PathLike, *, rng_seed: int = 0, process_index: int | None = None,
               process_count: int | None = None, mesh=None, progress: bool = True,
-              wait_timeout_s: float = 24 * 3600) -> Path:
+              wait_timeout_s: float = 24 * 3600, max_length: int = 0) -> Path:
     """Algorithm 1 over the training mixture -> `out_dir` (shards + stats.json; see module doc).
 
     model: the base `Model` (decoder + tokenizer). examples: (dataset name, QAExample) pairs.
     retrieve(questions, k) -> k passage texts per question (`Retriever.retrieve_texts`).
     encoder: `.encode(texts) -> [n, dim]`, embeds GenRead round 1 for k-means.
     section: `cfg.construct` (`ConstructParams` fields). mesh: passed to `generate` (rows split
-    over its batch axes). Returns `out_dir`; rerunning resumes, a finished run returns at once."""
+    over its batch axes). max_length: the training sequence length (`model.max_length`; 0 = no
+    limit): longer question + answer pairs are dropped and counted (`drop_too_long`).
+    Returns `out_dir`; rerunning resumes, a finished run returns at once."""
     params = ConstructParams.from_config(section)
     out_dir = Path(out_dir)
     pi = jax.process_index() if process_index is None else int(process_index)
@@ -349,12 +375,16 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
     items, skipped = prepare_items(examples)
     if not items:
         raise JaxragError("construct: no question with a golden answer in the training mixture")
+    items, too_long = drop_too_long(model.tokenizer, items, int(max_length))
+    if not items:
+        raise JaxragError(f"construct: every question of the training mixture is longer than model.max_length="
+                          f"{max_length} tokens with its answer; raise --config.model.max_length")
     shards = [items[s:s + params.shard_size] for s in range(0, len(items), params.shard_size)]
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = hashlib.sha256("\n".join(f"{it.dataset}\t{it.example.id}" for it in items).encode()).hexdigest()
     manifest = {"format": "jaxrag-construct-1", "params": dataclasses.asdict(params), "seed": int(rng_seed),
                 "questions": len(items), "shards": len(shards), "ids_sha256": ids,
-                "skipped": dict(sorted(skipped.items()))}
+                "skipped": dict(sorted(skipped.items())), "too_long": dict(sorted(too_long.items()))}
     _check_manifest(out_dir, manifest, pi, wait_timeout_s)
     if construct_done(out_dir):
         return out_dir
@@ -377,9 +407,9 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
                 bar.update(len(shards[k]))
     if pi == 0:
         wait_for([shard_path(out_dir, k) for k in range(len(shards))], "the other processes' shards", wait_timeout_s)
-        stats = construct_stats(out_dir, dict(skipped), Counter(it.dataset for it in items), params)
+        stats = construct_stats(out_dir, dict(skipped), Counter(it.dataset for it in items), params, dict(too_long))
         write_json(out_dir / STATS, stats)
-        if any(stats["all"][k] for k in ("truncated_verbalizations", "short_retrieval", "skipped_no_answer")):
+        if any(stats["all"][k] for k in ("truncated_verbalizations", "short_retrieval", "skipped_no_answer", "too_long")):
             warnings.warn("construct: problems counted in stats.json:\n" + stats_markdown(stats), stacklevel=2)
     return out_dir
 

@@ -13,7 +13,7 @@ from jaxrag.data.construct_genread import EMPTY_REDRAWS, ROUND1, read_jsonl
 from jaxrag.models.tokens import SELF, WIKI
 
 _COUNTS = ("truncated_verbalizations", "empty_verbalizations", "demos_dropped", "empty_passages", "short_retrieval",
-           "no_wiki", "skipped_no_answer", "no_context")
+           "no_wiki", "skipped_no_answer", "too_long", "no_context")
 
 
 def figure3_flip(record: dict) -> bool:
@@ -26,12 +26,15 @@ def figure3_flip(record: dict) -> bool:
 
 
 def construct_stats(out_dir: str | os.PathLike, skipped: dict[str, int], questions: dict[str, int],
-                    params=None) -> dict:
+                    params=None, too_long: dict[str, int] | None = None) -> dict:
     """Per dataset and over all: questions, % labelled Self (Table 5), % Figure-3 flips, % where
     the no-context ("w/o kv. label") label differs, % Selective-RAG Wiki labels, mean p(a|q),
     p(a|q,c_i+), p(a|q,c_e+) (Figure 3's bars) and the problems counted. questions: per dataset,
-    the questions construction ran on (those with an answer); one without a record is counted."""
+    the questions construction ran on (those with an answer); one without a record is counted.
+    too_long: per dataset, questions dropped for exceeding the training length (`drop_too_long`)."""
     acc: dict[str, Counter] = {name: Counter(skipped_no_answer=k) for name, k in skipped.items()}
+    for name, k in (too_long or {}).items():
+        acc.setdefault(name, Counter())["too_long"] = k
     for path in sorted(Path(out_dir).glob("shard-*.jsonl")):
         for r in read_jsonl(path):
             a = acc.setdefault(r["dataset"], Counter())
@@ -76,14 +79,14 @@ def stats_markdown(stats: dict) -> str:
         return "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
 
     head = ("| dataset | n | % Self (Table 5) | % flip (Fig. 3) | % no-kv label differs | % Selective Wiki "
-            "| truncated / kept verb. | empty verb. | short / no retrieval | skipped (no answer / no context) |")
+            "| truncated / kept verb. | empty verb. | short / no retrieval | skipped (no answer / too long / no context) |")
     rows = [head, "|" + "---|" * 10]
     for name, e in [*stats["datasets"].items(), ("all", stats["all"])]:
         rows.append(f"| {name} | {e['n']} | {cell(e['self_pct'])} | {cell(e['flip_pct'])} | "
                     f"{cell(e['no_kv_label_differs_pct'])} | {cell(e['selective_wiki_pct'])} | "
                     f"{e['truncated_verbalizations']} / {e['verbalizations']} | {e['empty_verbalizations']} | "
                     f"{e['short_retrieval']} / {e['no_wiki']} | "
-                    f"{e['skipped_no_answer']} / {e.get('no_context', 0)} |")
+                    f"{e['skipped_no_answer']} / {e.get('too_long', 0)} / {e.get('no_context', 0)} |")
     rows.append("\nAn empty GenRead document is drawn again with sampling (at most "
                 f"{EMPTY_REDRAWS} times); one still empty is no context (never c_i+ or c_i-) and is counted "
                 "under *empty verb.* A question left with fewer than n verbalizations is labelled from those it "
