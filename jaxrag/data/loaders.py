@@ -56,14 +56,12 @@ def load_dataset_examples(name: str, path: str | Path | None = None,
     if name not in DATASETS:
         raise JaxragError(f"unknown dataset {name!r} (known: {', '.join(DATASETS)})")
     split = split or DATASETS[name].split
+    key = (name, split, None)
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
+        if not (path := Path(path)).is_file():
             raise JaxragError(f"{path}: no such file")
         with open(path, "rb") as f:  # by contents: a rewritten file is read again
             key = (name, split, hashlib.file_digest(f, "sha256").hexdigest())
-    else:
-        key = (name, split, None)
     if key not in _LOADED:
         _LOADED[key] = _load(name, path, split)
     return list(_LOADED[key])
