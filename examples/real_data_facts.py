@@ -25,7 +25,9 @@ import re
 _ABBREV = re.compile(r"(?:\b[A-Z]|\b(?:St|Mt|Dr|Mr|Mrs|Jr|Sr|c|ca|vs|No|etc|approx|i\.e|e\.g))\.$")
 _COPULA = re.compile(r"\s(is|are|was|were)\s")
 _STOP = {"in", "on", "at", "by", "for", "from", "with", "to", "that", "which", "who", "whose",
-         "where", "and", "or", "but", "as", "is", "are", "known", "called", "found", "made",
+         "where", "and", "or", "but", "as", "is", "are", "between", "within", "into", "near",
+         "among", "about", "over", "under", "across", "along", "around", "than", "such",
+         "known", "called", "found", "made",
          "worn", "built", "held", "grown", "given", "seen", "written", "taken", "born", "kept"}
 _ING_NOUNS = {"painting", "building", "clothing", "wedding", "king", "ring", "string", "thing",
               "wing", "spring", "ceiling", "being", "meaning", "writing", "printing", "drawing",
