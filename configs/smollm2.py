@@ -67,8 +67,8 @@ def smoke():
     cfg = full()
     cfg.model.max_length = 256
     cfg.retrieval.n_passages = 1
-    cfg.data.train_sizes = {name: 12 for name in cfg.data.train}
-    cfg.data.validation_sizes = {name: 3 for name in cfg.data.train}
+    cfg.data.train_sizes = {name: 4 for name in cfg.data.train}
+    cfg.data.validation_sizes = {name: 2 for name in cfg.data.train}
     cfg.construct.update(n_contexts=2, verbalize_max_tokens=8, kmeans_clusters=2, demos_per_cluster=1,
                          generate_batch_size=8, score_batch_size=8, shard_size=16)
     cfg.stage1.update(batch_size=8, epochs=1)

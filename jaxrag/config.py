@@ -85,7 +85,7 @@ def paper_config(family: str) -> ConfigDict:
     ))
     # per_device_batch_size: rows (stage 2: pairs) per data shard per micro-step (0 = the whole
     # batch at once); gradient accumulation keeps the global batch at batch_size on any device
-    # count. 8: on the README's 8 devices the batch of 64 in one pass; on fewer it accumulates
+    # count. 8: on 8 devices (docs/scale.md) the batch of 64 in one pass; on fewer it accumulates
     # instead of growing per-device memory (one 80 GB GPU with LoRA fits, `jaxrag.plan`).
     run = dict(per_device_batch_size=8, checkpoint_every=200, keep_checkpoints=3, log_every=10)
     # token_lr_scale: the SR-RAG tokens' rows learn at lr x this (the paper: one lr for all).
@@ -115,7 +115,8 @@ def paper_config(family: str) -> ConfigDict:
 
 def tiny_config(family: str) -> ConfigDict:
     """The embedded default: a CPU-size model of `family` trained from scratch on the
-    generated knowledge world, with the paper's recipe scaled down to minutes."""
+    generated knowledge world, with the paper's recipe scaled down to minutes. How each constant
+    was chosen, with the measurements: docs/embedded-world.md."""
     cfg = paper_config(family)
     cfg.model.path = ""  # trained from scratch in the `base` stage
     cfg.model.dtype = "float32"
@@ -123,78 +124,50 @@ def tiny_config(family: str) -> ConfigDict:
     # Two at a time fill a 2-core CPU better than one (jaxrag.lanes); results are the same.
     cfg.pipeline.workers = 2
     cfg.model.max_length = 256
-    # Hugging Face config fields of the model trained from scratch.
-    # Hidden 128 (was 256): 1.6x faster steps, and at lr 2e-3 x 1200 steps it learns to read
-    # (seed 0: gold passage tail 0.89, where hidden 256 x 600 steps at 1e-3 read 0.10).
+    # Hugging Face config fields of the model trained from scratch: hidden 128 learns to read within
+    # the pretraining budget below, at 1.6x the step speed of hidden 256 (fresh-entity reading probe).
     cfg.model.arch = ConfigDict(dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512))
-    # The policy datastore's key layer and k (the paper: a middle layer of 28/32, k = 30 of ~50k
-    # keys) are the tiny model's own constants, chosen on training data only: the best mean
-    # within-dataset leave-one-out AUROC of the datastore's labels (the `python -m
-    # jaxrag.datastore audit` measure, NQ / FEVER / WoW, keys recomputed at each layer) over layers
-    # 1-4 x k in {5, 10, 30} on world seeds 0 and 1: the last layer, k 10 (0.644; layer 2: 0.48;
-    # layer 1: 0.46-0.52). A 4-layer model's middle-layer state at <EOQ> encodes the template, its
-    # last one whether the model knows the entity (a linear probe reads "seen in pretraining" at
-    # AUROC 0.86-0.94 there, 0.72-0.82 at layer 2). Validation accuracy is too noisy to choose
-    # this (102 questions): it picked layer 1, k 5, which lost on held-out seed 3206; that seed's
-    # test set was then examined, so only seeds drawn after it test this choice (README).
+    # The policy datastore's key layer: the best mean within-dataset leave-one-out AUROC of the
+    # datastore's labels (`python -m jaxrag.datastore audit`) over layers 1-4 x k in {5, 10, 30}, on
+    # the training data of two development worlds: the last layer (a 4-layer model's middle layer
+    # encodes the template, its last one whether the model knows the entity); k below.
     cfg.model.datastore_layer = 4
     cfg.mesh.update(data=-1, fsdp=1)
     cfg.retrieval.encoder = "minilm"  # all-MiniLM-L6-v2 from the offline package
     cfg.world = ConfigDict({k: v for k, v in dataclasses.asdict(WorldConfig()).items() if k != "seed"})
     cfg.world.seed = cfg.get_ref("seed")  # `--config.world.seed=N` and `--config.seed=N` are one field
     # questions: per popularity bucket, descriptive only. The gates: a base must answer
-    # reading_gate of reading_questions fresh-entity questions with the gold passage, and its
+    # reading_gate of reading_questions fresh-entity questions with retrieved passages, and its
     # GenRead documents must state the rule for verbal_gate of rule_questions fresh rule questions
     # (neither ever a test question), or be pretrained again from a new initialisation,
-    # `attempts` runs in all. verbal_gate is the reading gate's 0.8, not fitted: bases score
-    # 0.975-1.0 or 0.245 (seeds 0, 1, 9798 / 2253; `pipeline.pretrain_until_it_reads_and_verbalizes`).
+    # `attempts` runs in all. verbal_gate is the reading gate's 0.8, not fitted: bases score near
+    # 1.0 or near 0.25 (`pipeline.pretrain_until_it_reads_and_verbalizes`).
     cfg.world_probe = ConfigDict(dict(questions=100, reading_questions=200, reading_gate=0.8,
                                       rule_questions=200, verbal_gate=0.8, attempts=2))
     # The base model's whole education: 1400 steps x 8 x 256 = 2.9M tokens of world text, ~9 min
-    # on a 2-core AVX-512 CPU. Packed documents attend only to themselves. Seed 0: closed-book
-    # popular 0.96, tail 0.05, gold passage tail 0.80, GenRead documents stating the rule 0.85.
-    # Reading switches on late and on a knife edge: the same world at 1200 steps read 0.30 (0.89
-    # before verbalized documents became training targets); 600 steps at lr 1e-3 gave popular 0.61.
+    # on a 2-core CPU; the fewest steps after which development bases read passages (reading
+    # switches on late: fewer steps or a lower lr left the probe far below the gate).
     cfg.pretrain = ConfigDict(dict(batch_size=8, lr=2e-3, steps=1400, warmup_ratio=0.05,
                                    weight_decay=0.01, grad_clip=1.0, checkpoint_every=100))
     # GenRead round 2 zero-shot (sampled, n = 5), without the paper's cluster demonstrations: a
-    # 3M-parameter model does not learn in context, it copies the demo's entity. Measured on
-    # training questions only (seed 1's base, 64 NQ-train questions, T = 0.7): with one demo the
-    # gold answer is in 5% of the documents and p(a | q, c_i+) = 0.26 < p(a | q) = 0.52, so
-    # verbalizing looked useless and 94% of NQ was labelled Wiki; zero-shot, 67% and 0.63 (round
-    # 1's greedy zero-shot: 77%). Prompts stay within the 256-token pretraining length.
+    # 3M-parameter model copies the demo's entity instead of learning in context (on training
+    # questions, one demo put the gold answer in 5% of documents, zero-shot in 67%). Prompts stay
+    # within the 256-token pretraining length.
     cfg.construct.update(verbalize_max_tokens=48, demos_per_cluster=0, max_prompt_tokens=208)
-    # 500 training questions (world v5): one epoch is 32 steps. lr 3e-4 keeps the base's reading
-    # (seed 0, Wiki path on 200 test questions: 0.53 after stage 1, 0.41 at lr 1e-3; untuned 0.51).
-    # The source tokens start ~8.7 nats down (never a target in pretraining), and Adam moves each
-    # weight ~lr per step, so at one lr their own rows were slow to move: 6 epochs left p_M(<Wiki>|q)
-    # flat at ~0.47, and the 12 that taught it to route (L_src ~0.5) bent the body instead and cost
-    # reading (fresh-entity probe, gold passage as <Wiki> knowledge, world seeds 6127 / 7595: base
-    # 0.97 / 0.92, 6 epochs 0.93 / 0.81, 12 epochs 0.895 / 0.765). With the SR-RAG tokens' rows at
-    # 30x lr (`token_lr_scale`), L_src is ~0.6 by step 30 and 3 epochs suffice: reading 0.945 /
-    # 0.885, p_M's validation AUROC (Table 2, retrieval > verbalization) 0.758 / 0.732 (12 epochs:
-    # 0.688 / 0.694), best validation accuracy of the w/o kNN rule 0.736 / 0.805 (12: 0.775 / 0.775).
-    # Chosen among {6 x 10, 6 x 30, 3 x 30} (epochs x scale) on those numbers alone (training
-    # mixture's validation split and fresh entities; no test question), 2026-11-28.
+    # Stage 1: lr 3e-4 keeps the base's reading; the SR-RAG tokens' new rows at 30x lr learn to route
+    # in 3 epochs without bending the body. Chosen among {6 x 10, 6 x 30, 3 x 30} (epochs x scale) on
+    # the fresh-entity reading probe and the validation split's p_M AUROC (never a test question).
     cfg.stage1.update(batch_size=16, lr=3e-4, epochs=3, token_lr_scale=30.0, per_device_batch_size=0)
     cfg.stage2.update(batch_size=16, lr=1e-4, epochs=2, per_device_batch_size=0)
     # One ~100-word passage fills the tiny model's 256-token training context (5 would run past
     # its 512 positions); the answer budget and cache stay within them.
     cfg.retrieval.n_passages = 1
+    # k = 10 neighbours: chosen with the datastore layer above (same audit, same worlds).
     cfg.inference.update(k=10, batch_size=16, max_answer_tokens=16, max_knowledge_tokens=224)
-    # The tiny model's own uniform constants, fixed once per recipe as the paper fixes its
-    # model-specific tau: chosen with `python -m jaxrag.eval.tau` on the training mixture's
-    # validation split (150 questions per world, never a test question), averaged over two worlds,
-    # the best point of a 0.05 grid (ties: less retrieval), before any held-out seed of the recipe
-    # ran; never re-chosen per run or per seed. Last chosen for world version 7 (reloaded models
-    # keep the world tokenizer) on dev seeds 0 and 1 (validation only, their runs at version 6's
-    # constants): SR-RAG's p_M x p_D 0.15 (validation 0.745 at 44% retrieval, tied with 0.10 at
-    # 50%; 0.728-0.739 at 0.05, 0.20, 0.25); Selective RAG's p(<Wiki>) 0.20, the paper's (0.738
-    # at 66%; 0.718-0.734 from 0.05 to 0.30). Version 6's were the same (validation 0.741 at 40%,
-    # 0.722 at 62%), version 5's 0.10 / 0.55, version 4's 0.25 / 0.2, version 3's 0.1 / 0.4,
-    # version 2's 0.2 / 0.25 (seeds 6127 and 7595), its 12-epoch recipe's 0.25 / 0.75, 6 epochs'
-    # 0.35 / 0.95.
+    # The uniform thresholds, fixed once per recipe as the paper fixes its model-specific tau: the
+    # best point of a 0.05 grid (ties: less retrieval) of `python -m jaxrag.eval.tau` on the training
+    # mixture's validation split of two development worlds, before any held-out seed ran.
     cfg.inference.update(tau=0.15, selective_tau=0.20)
     cfg.baselines.update(seakr_samples=5, max_train_questions=400)
     return cfg

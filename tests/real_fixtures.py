@@ -66,7 +66,7 @@ def corpus_titles(distractors: int) -> list[str]:
 
 
 def write_documents(path: Path, titles: list[str]) -> Path:
-    """JSONL documents `{id, contents: "title\\nparagraph"}` (DESIGN.md §5), ids = package order."""
+    """JSONL documents `{id, contents: "title\\nparagraph"}` (docs/method.md, shared formats), ids = package order."""
     paragraphs = wiki_paragraphs()
     order = {t: i for i, t in enumerate(paragraphs)}
     with open(path, "w", encoding="utf-8") as f:

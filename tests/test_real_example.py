@@ -1,5 +1,5 @@
-"""The README's real-model example (`examples/real_model.py`) end to end: SmolLM2's GGUF converted
-with the SR-RAG tokens, vital-article paragraphs indexed with MiniLM, one routed batch. It builds
+"""The laptop real-model example (`examples/real_model.py`, docs/export-and-serve.md) end to end:
+SmolLM2's GGUF converted with the SR-RAG tokens, vital-article paragraphs indexed with MiniLM, one routed batch. It builds
 its own model (not test_real_model.py's), so it runs on whichever worker is free."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from real_fixtures import REPO_ROOT, smollm_gguf, wiki_paragraphs
 
 
 def test_laptop_example_routes_real_questions(tmp_path, capsys):
-    """examples/real_model.py (the README's real-model example) end to end on a smaller index:
+    """examples/real_model.py (docs/export-and-serve.md) end to end on a smaller index:
     convert, chunk + index, one routed batch with both sources; rerunning skips finished steps."""
     smollm_gguf(), wiki_paragraphs()  # skip, naming the package, when the test data is absent
     spec = importlib.util.spec_from_file_location("real_model_example", REPO_ROOT / "examples" / "real_model.py")

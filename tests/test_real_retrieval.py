@@ -1,7 +1,7 @@
 """Retrieval over real Wikipedia text: the vital-article lead paragraphs as a corpus, chunked and
 indexed with the CLI (`python -m jaxrag.retrieval chunk|build`), hand-written factual questions,
 all-MiniLM-L6-v2. The suite indexes the gold paragraphs plus 600 others (the full 10,033 take
-a few minutes to encode on 2 cores; the README shows that command)."""
+a few minutes to encode on 2 cores; docs/export-and-serve.md shows that command)."""
 
 from __future__ import annotations
 
