@@ -364,7 +364,7 @@ def test_base_gates_retry_from_a_new_init_and_keep_the_largest_margin(tmp_path, 
     def check(reading, verbal, attempts, want_runs, want_kept):
         runs.clear()
         reads, verbs = iter(reading), iter(verbal)
-        monkeypatch.setattr(probe, "fresh_reading", lambda model, world, n: next(reads))
+        monkeypatch.setattr(probe, "fresh_reading", lambda model, world, n, **kw: {"reading": next(reads)})
         monkeypatch.setattr(probe, "fresh_rule_verbalization", lambda model, world, n, tokens: next(verbs))
         cfg = tiny_config("qwen2")
         cfg.update(seed=7)

@@ -6,8 +6,14 @@ Prompts are the base model's (`prompts.base_prompt_text`), as in pretraining; an
 when its normalized text starts with the normalized gold value. `gold_passage_*_from_passage`
 is the fraction of answers whose first word occurs in the gold passage: it tells a model that
 reads but picks the wrong word (high) from one that ignores the passage (= accuracy).
-`fresh_reading` is the accuracy with the gold passage on fact questions about fresh entities
-(never in pretraining, never a test question): the base stage's reading gate reads it.
+`fresh_reading` is the accuracy on fact questions about fresh entities (never in pretraining,
+never a test question) asked as the pipeline asks: the base stage's reading gate reads it. Its
+knowledge is what retrieval returns (`retrieved_passages`: `retrieval.n_passages` passages in the
+index's `(Title: T) text` lines, the gold one among same-type fresh distractors at a random rank)
+in both prompts the pipeline puts passages in: the base prompt (`Question: q Background
+knowledge: ... Answer:`, as construct's labelling and the untuned always-RAG read them) and the
+routed Wiki row (`Question: q Background knowledge:<EOQ><Wiki> passages<EOK> Answer:`, truncated
+at `inference.max_knowledge_tokens`, as `route()` builds it); the gate reads the lower of the two.
 `genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
 model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
 questions and for rule questions (the ARC-Challenge analogue); `*_chain`: see `chain_knowledge`.
@@ -26,20 +32,17 @@ from jaxrag.data.schema import QAExample
 from jaxrag.data.world_entities import NameMaker
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import normalize_answer
-from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text
+from jaxrag.prompts import (answer_prefix_ids, base_prompt_ids, base_prompt_text, genread_prompt_text,
+                            knowledge_ids, prompt_ids)
+from jaxrag.retrieval.corpus import Passage
 
 EVAL_SETS = ("popqa", "triviaqa")
 BUCKETS = {"head": "popular", "torso": "torso", "tail": "tail"}
 
 
 def _answers(model, prompts: list[str], max_new: int = 6, batch_size: int = 32) -> list[str]:
-    tok, answers = model.tokenizer, []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    for start in range(0, len(prompts), batch_size):
-        ids = base_prompt_ids(tok, prompts[start:start + batch_size])
-        answers += [tok.decode(out, skip_special_tokens=True)
-                    for out in generate(model.decoder, ids, max_new, stop_ids=eos)]
-    return answers
+    """Greedy continuations of base-model prompts (text)."""
+    return _generate_ids(model, base_prompt_ids(model.tokenizer, prompts), max_new, batch_size)
 
 
 def states_answer(documents: list[str], golds: list[str]) -> float:
@@ -61,16 +64,36 @@ def answer_scores(answers: list[str], golds: list[str], passages: list[str] | No
     return out
 
 
-def fresh_reading_questions(world, n: int) -> list[tuple[str, list[str], str]]:
-    """(question, [gold passage], answer) about fresh entities: a random stream of its own, so
-    neither pretraining nor any dataset of the world holds them."""
+def fresh_reading_questions(world, n: int, passages: int = 1) -> list[tuple[str, list[str], str]]:
+    """(question, [gold passage, then passages - 1 same-type distractors], answer) about fresh
+    entities, passages in the world's `title\ntext` form: a random stream of its own, so neither
+    pretraining nor any dataset of the world holds them."""
     rng = random.Random(f"{world.config.seed}:fresh_reading")
     names = NameMaker(rng, world.reserved_words())
     out = []
     for _ in range(n):
-        draft, passages, _ = wp.fact_reading(world, "fact", 1, names, rng)
-        out.append((draft.question, passages, draft.golden_answers[0]))
+        draft, found, _ = wp.fact_reading(world, "fact", passages, names, rng)
+        out.append((draft.question, found, draft.golden_answers[0]))
     return out
+
+
+def retrieved_passages(passages: list[str], rng: random.Random) -> list[str]:
+    """World passages (`title\ntext`, gold first) as retrieval hands them to a prompt: each as
+    the index's prompt line `(Title: T) text` (`Passage.to_prompt`), the gold one at a uniformly
+    drawn rank among the distractors (retrieval does not always rank it first)."""
+    lines = [Passage("", *p.split("\n", 1)).to_prompt() for p in passages]
+    gold, rest = lines[0], lines[1:]
+    rest.insert(rng.randrange(len(lines)), gold)
+    return rest
+
+
+def routed_reading_prompts(tokenizer, wiki_id: int, questions: list[str], passages: list[list[str]],
+                           max_knowledge_tokens: int) -> list[list[int]]:
+    """A Wiki row's ids up to its answer, exactly as `route()` builds them: the prompt through
+    `<EOQ>`, `<Wiki>`, the passages' knowledge tokens cut at `max_knowledge_tokens`, `<EOK> Answer:`."""
+    tail = answer_prefix_ids(tokenizer)
+    return [q + [wiki_id] + k[:max_knowledge_tokens] + tail
+            for q, k in zip(prompt_ids(tokenizer, questions), knowledge_ids(tokenizer, passages))]
 
 
 def fresh_rule_questions(world, n: int) -> list[tuple[str, str]]:
@@ -124,15 +147,37 @@ def fresh_rule_verbalization(model, world, n: int, verbal_tokens: int) -> float:
     return states_answer(docs, [truth for _, truth in questions])
 
 
-def fresh_reading(model, world, n: int) -> float:
-    """Accuracy with the gold passage in context on `n` fresh-entity fact questions."""
-    return _accuracy_in_context(model, fresh_reading_questions(world, n))
+def fresh_reading(model, world, n: int, passages: int = 1, max_knowledge_tokens: int | None = None) -> dict:
+    """Reading on `n` fresh-entity fact questions with `passages` retrieved-format passages
+    (`retrieved_passages`): accuracy in the base prompt (`base_prompt`) and in the routed Wiki
+    row's prompt (`routed_prompt`; needs the model's SR-RAG tokens), and the gate's `reading`,
+    the lower of the two."""
+    from jaxrag.models.tokens import WIKI, source_token
+
+    rng = random.Random(f"{world.config.seed}:fresh_reading_ranks")
+    questions = [(q, retrieved_passages(ps, rng), a) for q, ps, a in fresh_reading_questions(world, n, passages)]
+    golds = [a for *_, a in questions]
+    base = _accuracy_in_context(model, questions)
+    tok = model.tokenizer
+    ids = routed_reading_prompts(tok, model.token_id(source_token(WIKI)), [q for q, *_ in questions],
+                                 [p for _, p, _ in questions], max_knowledge_tokens or 10 ** 9)
+    routed = answer_scores(_generate_ids(model, ids), golds)["accuracy"]
+    return {"reading": min(base, routed), "base_prompt": base, "routed_prompt": routed}
 
 
 def _accuracy_in_context(model, questions: list[tuple[str, list[str], str]]) -> float:
-    """Accuracy on (question, passages, answer) triples, the passages in the prompt."""
+    """Accuracy on (question, passages, answer) triples, the passages in the base prompt."""
     answers = _answers(model, [base_prompt_text(q, p) for q, p, _ in questions])
     return answer_scores(answers, [a for *_, a in questions])["accuracy"]
+
+
+def _generate_ids(model, prompts: list[list[int]], max_new: int = 6, batch_size: int = 32) -> list[str]:
+    tok, answers = model.tokenizer, []
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    for start in range(0, len(prompts), batch_size):
+        answers += [tok.decode(out, skip_special_tokens=True)
+                    for out in generate(model.decoder, prompts[start:start + batch_size], max_new, stop_ids=eos)]
+    return answers
 
 
 def chain_knowledge(model, world, n: int, verbal_tokens: int, rng: random.Random) -> dict:
