@@ -1,8 +1,15 @@
 """Source-selection policies: one interface, so every method runs on the same decoding engine.
 
-A policy maps `PolicyInputs` (the batch's questions, p_M over the source tokens read at `<EOQ>`,
+A policy maps `PolicyInputs` (the batch's questions, p_M of each source token read at `<EOQ>`,
 and the hidden state of the configured layer at `<EOQ>`) to a `PolicyDecision` (one source index
 per row, plus whatever it measured, e.g. p_D, for reports).
+
+p_M(<s> | q) is defined once, here (`source_probabilities`): the probability of the source token
+as the next token after `<EOQ>`, a softmax over the whole vocabulary, as the paper thresholds
+"the likelihood of the retrieval token following <EOQ>" (§4.1) and as stage 1 trains it
+(L_src = -log p_M(<s> | q), Eq. 1). It is not renormalised over the source tokens: probability
+left on other tokens is probability the model did not give to retrieval. Routing, the eval's
+router inputs, the datastore and serving all read p_M through this function.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from jaxrag.errors import JaxragError
 class PolicyInputs(NamedTuple):
     questions: list[str]
     sources: tuple[str, ...]  # index order of the columns below
-    p_model: np.ndarray  # [batch, n_sources] p_M(<s> | q), renormalised over the source tokens
+    p_model: np.ndarray  # [batch, n_sources] p_M(<s> | q) (`source_probabilities`)
     hidden: np.ndarray  # [batch, hidden] state of the datastore layer at <EOQ>
 
 
@@ -40,3 +47,38 @@ def always(source: str) -> Policy:
         return PolicyDecision(np.full(len(inputs.questions), inputs.sources.index(source)))
 
     return policy
+
+
+def source_probabilities(logits, source_ids) -> np.ndarray:
+    """p_M(<s> | q) for each source token: next-token logits at `<EOQ>` [batch, vocab] -> the
+    softmax over the whole vocabulary at the source tokens' ids [batch, n_sources], float64."""
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_z = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return np.exp(shifted[:, np.asarray(source_ids, int)] - log_z)
+
+
+def router_inputs(model, questions: list[str], hidden_layer: int, batch_size: int = 32) -> PolicyInputs:
+    """What `route()` hands a policy, without decoding anything after `<EOQ>`: one prefill of
+    `Question: q Background knowledge:<EOQ>` per batch -> p_M (`source_probabilities`) and the
+    hidden state of `hidden_layer` at `<EOQ>`. For choosing thresholds on validation questions."""
+    import jax.numpy as jnp
+
+    from jaxrag.decode.sampler import bucket, extend, init_state, left_pad
+    from jaxrag.models.tokens import source_token
+    from jaxrag.prompts import prompt_ids
+
+    if not questions:
+        raise JaxragError("router_inputs: no questions")
+    src_ids = [model.token_id(source_token(s)) for s in model.sources]
+    prompts = prompt_ids(model.tokenizer, list(questions))
+    p_model, hidden = [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        rows, length = bucket(len(chunk), 1), bucket(max(map(len, chunk)))
+        ids, mask = left_pad(chunk, length, rows)
+        state, h = extend(model.decoder, init_state(model.decoder, rows, length), jnp.asarray(ids),
+                          jnp.asarray(mask), hidden_layer=hidden_layer)
+        p_model.append(source_probabilities(np.asarray(state.logits[:len(chunk)], np.float32), src_ids))
+        hidden.append(np.asarray(h[:len(chunk)], np.float32))
+    return PolicyInputs(list(questions), tuple(model.sources), np.concatenate(p_model), np.concatenate(hidden))
