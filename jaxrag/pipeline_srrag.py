@@ -6,8 +6,9 @@ Each is `(config, workdir) -> artifact` and reads only earlier stages' artifacts
     stage1/model   SR-RAG stage 1 (Eq. 1-4) from the base model
     stage2/model   SR-RAG stage 2 (Eq. 5-6, DPO), reference = stage 1
     datastore/     policy datastore of the final model (§3.4)
-    baselines/     Selective RAG (sources {none, wiki}), the w/o-kv-label and w/o-DPO models
-                   (the latter: stage 2 with the stage-1 loss) and their datastores
+    baselines/     Selective RAG (sources {none, wiki}; stage 1, then stage 2's data, steps, lr and
+                   schedule on its own stage-1 loss), the w/o-kv-label and w/o-DPO models (the
+                   latter: stage 2 with the stage-1 loss) and their datastores
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def construct_stage(cfg: ConfigDict, workdir: Path) -> Path:
 
     r = retriever(cfg, workdir)
     return construct(load(cfg, workdir / "base"), dataset_items(cfg, workdir, cfg.data.train, "train"),
-                     r.retrieve_texts, r.encoder, cfg.construct, workdir / "construct", rng_seed=int(cfg.seed))
+                     r.retrieve_texts, r.encoder, cfg.construct, workdir / "construct", rng_seed=int(cfg.seed),
+                     max_length=int(cfg.model.max_length))
 
 
 def construct_records(workdir: Path) -> list[dict]:
@@ -201,10 +203,13 @@ def route_config(cfg: ConfigDict):
 # -- baselines and ablations ----------------------------------------------------------------------
 
 def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
-    """Selective RAG (stage 1 on retrieval-vs-nothing labels, sources {wiki, none}); the w/o kv
-    label model (stages 1 and 2 on no-context labels) and its datastore; the w/o DPO model (stage
-    2 run with the stage-1 loss, as the paper ablates it) and its datastore. Each piece resumes on
-    its own; `done.json` is written last."""
+    """Selective RAG (sources {wiki, none}, retrieval-vs-nothing labels): stage 1, then a second
+    stage as SR-RAG gets one, with stage 2's data (its own records again), epochs, learning rate
+    and schedule on its own objective, the stage-1 loss (as the paper's "w/o DPO" keeps it: it
+    has no verbalization for DPO to act on), so SR-RAG − Selective RAG is not extra answer
+    training. The w/o kv label model (stages 1 and 2 on no-context labels) and its datastore; the
+    w/o DPO model (stage 2 run with the stage-1 loss, as the paper ablates it) and its datastore.
+    Each piece resumes on its own; `done.json` is written last."""
     from jaxrag.models.model import add_special_tokens
     from jaxrag.train.stages import train_stage1, train_stage2, train_stage2_no_dpo
 
@@ -212,8 +217,9 @@ def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
     base = workdir / "base"
 
     def selective():
-        train_stage1(add_special_tokens(load(cfg, base), (WIKI, NONE)), relabel(records, "selective_label"), cfg,
-                     out / "selective")
+        sel = relabel(records, "selective_label")
+        train_stage1(add_special_tokens(load(cfg, base), (WIKI, NONE)), sel, cfg, out / "selective_stage1")
+        train_stage2_no_dpo(load(cfg, out / "selective_stage1" / FINAL), sel, cfg, out / "selective")
 
     def with_datastore(name: str, train) -> Callable[[], None]:
         def piece():
@@ -243,3 +249,33 @@ def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
 
 def baselines_done(workdir: Path) -> bool:
     return (workdir / "baselines" / "done.json").is_file()
+
+
+# Each fine-tuned model's training as run: (eval method, [(stage dir, config section, objective)]).
+TRAINING = {
+    "srrag": [("stage1", "stage1", "stage1_loss"), ("stage2", "stage2", "stage2_loss")],
+    "selective_rag": [("baselines/selective_stage1", "stage1", "stage1_loss"),
+                      ("baselines/selective", "stage2", "stage1_loss")],
+    "srrag_no_kv_label": [("baselines/no_kv_label_stage1", "stage1", "stage1_loss"),
+                          ("baselines/no_kv_label", "stage2", "stage2_loss")],
+    "srrag_no_dpo": [("stage1", "stage1", "stage1_loss"), ("baselines/no_dpo", "stage2", "stage1_loss")],
+}
+
+
+def steps_run(stage_dir: Path) -> int | None:
+    """The last optimizer step a stage logged (`metrics.jsonl` logs the final step always);
+    None when it has no log."""
+    log = stage_dir / "metrics.jsonl"
+    if not log.is_file():
+        return None
+    steps = [json.loads(line)["step"] for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return max(steps) if steps else None
+
+
+def training_record(cfg: ConfigDict, workdir: Path) -> dict:
+    """`config.training`: per fine-tuned model, its stages as run:
+    `{"stages": [{"name", "objective", "epochs", "steps", "lr"}, ...]}`."""
+    return {model: {"stages": [{"name": section, "objective": objective, "epochs": int(cfg[section].epochs),
+                                "steps": steps_run(workdir / stage_dir), "lr": float(cfg[section].lr)}
+                               for stage_dir, section, objective in stages]}
+            for model, stages in TRAINING.items()}
