@@ -330,7 +330,8 @@ def test_latency_batches_that_compiled_are_timed_again(monkeypatch):
         ev.results["average"][name] = {"acc": 1.0, "rag_frac": 1.0}
         for ds in ("popqa", "triviaqa"):
             ev.results["datasets"].setdefault(ds, {})[name] = {}
-        ev.measured(Method(name, model, "tau"), model, None, paths, d, None, np.arange(5))
+        routed = latency.route_items(model, paths.items, None, None, None, ev.bs, name)
+        ev.measured(Method(name, model, "tau"), routed, paths, d, np.arange(5))
         assert ev.results["latency"][name]["latency_s"] == 1.0  # a compiling run's 5 s is never kept
         assert len(calls) == expected_calls[name]
 

@@ -1,13 +1,18 @@
 """Latency measured, not modelled (paper App. B.2, Figure 4).
 
-A method's questions are routed for real: `route()` with the method's own policy, in batches of
-`inference.batch_size` (paper: B = 10), calling the real retriever. Each batch phase's measured
-time is shared by the rows in it (`route`): T_d (prefill + the policy's own compute, e.g. SeaKR's
-samples) by all rows, T_v by the rows that verbalize, T_r by the rows that retrieve, T_g by all;
-an item's latency is T_d + (T_v or T_r) + T_g. So a batch whose one verbalization is long costs
-its verbalizing rows that long, and nothing here is linear in % retrieval by construction. A batch
-during which JAX compiled anything (a shape, or a policy's own program, seen for the first time)
-is routed again and the second run kept (`harness.without_compiles`): compilation is not latency.
+Every method is timed the same way, on the same questions (`latency_indices`: the first
+`eval.latency_questions` test questions of each set) in the same batches (`latency_batches`:
+`inference.batch_size` rows, paper B = 10, never mixing datasets), calling the real retriever:
+the fine-tuned models' methods, constant ones included, are routed for real by `route()` with the
+method's own policy; the untuned model's always-RAG and GenRead run the same batches through its
+own prompts (`untuned_route_items`: retrieve or verbalize, then answer). Each batch phase's
+measured time is shared by the rows in it (`phases.charge_phases`): T_d (prefill + the policy's
+own compute, e.g. SeaKR's samples) by all rows, T_v by the rows that verbalize, T_r by the rows
+that retrieve, T_g by all; an item's latency is T_d + (T_v or T_r) + T_g. So a batch whose one
+verbalization is long costs its verbalizing rows that long, and nothing here is linear in %
+retrieval by construction. A batch during which JAX compiled anything (a shape, or a policy's own
+program, seen for the first time) is run again and the second run kept
+(`harness.without_compiles`): compilation is not latency.
 
 Accuracy keeps coming from the decode-once harness (exact for greedy decoding); the routed
 answers are checked against it (`agreement`).
@@ -15,6 +20,7 @@ answers are checked against it (`agreement`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -23,8 +29,9 @@ from tqdm.auto import tqdm
 from jaxrag.decode.routing import RouteConfig, Routed, route
 from jaxrag.eval.harness import Decision, Item, Paths, questions_of, without_compiles
 from jaxrag.eval.metrics import score_prediction
+from jaxrag.eval.phases import charge_phases
 from jaxrag.models.model import Model
-from jaxrag.models.tokens import WIKI
+from jaxrag.models.tokens import SELF, WIKI
 from jaxrag.policies import Policy
 from jaxrag.policies.srrag import Neighbours, srrag_policy
 
@@ -42,20 +49,74 @@ def latency_indices(items: Sequence[Item], per_dataset: int) -> np.ndarray:
     return np.array(keep, int)
 
 
-def route_items(model: Model, items: Sequence[Item], policy: Policy, retrieve: Callable, cfg: RouteConfig,
-                batch_size: int, desc: str) -> list[Routed]:
-    """`route()` over items, batch by batch within each dataset (a batch never mixes datasets, so
-    per-dataset latency is that dataset's own)."""
-    out: list[Routed | None] = [None] * len(items)
-    questions = questions_of(items)
+def latency_batches(items: Sequence[Item], batch_size: int) -> list[list[int]]:
+    """Item indices in batches of `batch_size` within each dataset (a batch never mixes
+    datasets, so per-dataset latency is that dataset's own): every method's batches."""
     names = [name for name, _ in items]
     batches = []
     for name in dict.fromkeys(names):
         idx = [i for i, n in enumerate(names) if n == name]
         batches += [idx[s:s + batch_size] for s in range(0, len(idx), batch_size)]
-    for batch in tqdm(batches, desc=desc, unit="batch", leave=False):
+    return batches
+
+
+def route_items(model: Model, items: Sequence[Item], policy: Policy, retrieve: Callable, cfg: RouteConfig,
+                batch_size: int, desc: str) -> list[Routed]:
+    """`route()` over items in `latency_batches`."""
+    out: list[Routed | None] = [None] * len(items)
+    questions = questions_of(items)
+    for batch in tqdm(latency_batches(items, batch_size), desc=desc, unit="batch", leave=False):
         routed = without_compiles(lambda batch=batch: route(model, [questions[i] for i in batch], policy, retrieve, cfg))
         for i, r in zip(batch, routed):
+            out[i] = r
+    return out
+
+
+def _timed(fn, clock):
+    start = clock()
+    out = fn()
+    return out, clock() - start
+
+
+def untuned_route_items(model: Model, items: Sequence[Item], source: str, retrieve: Callable, cfg: RouteConfig,
+                        batch_size: int, desc: str, clock: Callable[[], float] = time.perf_counter) -> list[Routed]:
+    """The untuned model's constant methods in `latency_batches`, on its own prompts (as
+    `harness.untuned_paths`): `wiki` = always-RAG (one batched retrieval, T_r, then the answer
+    with the passages, T_g); `self` = GenRead (the background document, T_v, then the answer
+    with it, T_g). No source selection runs (T_d = 0). `clock`: seconds, injectable for tests."""
+    from jaxrag.decode.sampler import generate
+    from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text, join_passages
+
+    if source not in (WIKI, SELF):
+        raise ValueError(f"untuned_route_items: source {source!r} is neither {WIKI!r} nor {SELF!r}")
+    tok = model.tokenizer
+    eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
+    questions = questions_of(items)
+
+    def gen(prompts: list[str], max_new: int) -> list[str]:
+        out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos)
+        return [tok.decode(o, skip_special_tokens=True).strip() for o in out]
+
+    def run(batch: list[int]) -> list[Routed]:
+        qs = [questions[i] for i in batch]
+        if source == WIKI:
+            knowledge, t_k = _timed(lambda: retrieve(qs), clock)
+            prompts = [base_prompt_text(q, p) for q, p in zip(qs, knowledge)]
+            phase = "T_r"
+        else:
+            knowledge, t_k = _timed(lambda: gen([genread_prompt_text(q) for q in qs], cfg.max_verbal_tokens), clock)
+            prompts = [base_prompt_text(q, [d]) for q, d in zip(qs, knowledge)]
+            phase = "T_v"
+        answers, t_g = _timed(lambda: gen(prompts, cfg.max_answer_tokens), clock)
+        charged = charge_phases({phase: t_k, "T_g": t_g}, [source] * len(qs))
+        return [Routed(question=q, source=source, p_model=[], p_datastore=None, score=None,
+                       knowledge=k if isinstance(k, str) else join_passages(k), answer=a, knowledge_truncated=False,
+                       latency={p: v for p, v in c.items() if p != "T_d"})
+                for q, k, a, c in zip(qs, knowledge, answers, charged)]
+
+    out: list[Routed | None] = [None] * len(items)
+    for batch in tqdm(latency_batches(items, batch_size), desc=desc, unit="batch", leave=False):
+        for i, r in zip(batch, without_compiles(lambda batch=batch: run(batch))):
             out[i] = r
     return out
 
@@ -93,19 +154,31 @@ def agreement(routed: Sequence[Routed], idx: np.ndarray, paths: Paths, decision:
             "answers_equal_harness": float(np.mean(same_answer))}
 
 
-def figure4(model: Model, items: Sequence[Item], score: np.ndarray, neighbours: Neighbours | None,
+def figure4(model: Model, items: Sequence[Item], validation_score: np.ndarray, neighbours: Neighbours | None,
             retrieve: Callable, cfg: RouteConfig, batch_size: int, points: int) -> list[dict]:
-    """Figure 4: SR-RAG routed for real at `points` verbalization proportions from 0 to 1, set by
-    thresholds at quantiles of its own score on these questions (an illustration of the
-    trade-off, not an operating point)."""
+    """Figure 4: SR-RAG routed for real on `items` at `points` thresholds, set at quantiles of its
+    score on the validation questions (`validation_score`: never a test question) so that
+    0, 1/(points-1), ..., 1 of the validation questions are verbalized; each point reports the
+    proportion the test questions actually verbalized (an illustration of the trade-off, not an
+    operating point)."""
     curve = []
     for frac in np.linspace(0.0, 1.0, points):
-        # retrieve iff score > t: t below every score retrieves all, t at the max verbalizes all
-        t = float(score.min() - 1.0) if frac == 0 else float(np.quantile(score, 1.0 - frac, method="lower"))
-        t = float(score.max()) if frac == 1 else t
+        t = figure4_threshold(validation_score, frac)
         routed = route_items(model, items, srrag_policy(neighbours, t), retrieve, cfg, batch_size,
-                             f"figure 4 [{frac:.0%} verbalized]")
+                             f"figure 4 [{frac:.0%} of validation verbalized]")
         s = summarize(items, routed)
-        curve.append({"threshold": t, "verbalized_frac": 1.0 - s["rag_frac"], "rag_frac": s["rag_frac"],
+        curve.append({"threshold": t, "verbalized_frac_validation": float(frac),
+                      "verbalized_frac": 1.0 - s["rag_frac"], "rag_frac": s["rag_frac"],
                       "acc": s["acc"], "latency_s": s["latency_s"], "phases": s["phases"]})
     return curve
+
+
+def figure4_threshold(score: np.ndarray, verbalized: float) -> float:
+    """The t in `retrieve iff score > t` that verbalizes the `verbalized` share of `score`'s
+    questions: below every score at 0 (retrieve all), the maximum at 1 (verbalize all)."""
+    score = np.asarray(score, np.float64)
+    if verbalized <= 0:
+        return float(score.min() - 1.0)
+    if verbalized >= 1:
+        return float(score.max())
+    return float(np.quantile(score, verbalized, method="lower"))

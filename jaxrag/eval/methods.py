@@ -15,7 +15,13 @@ Thresholds (`eval.thresholds`):
 IK, SeaKR and CCSK judge the untuned model's knowledge (as their papers) and route the SR-RAG
 model's paths, so only the selection differs. Accuracy comes from the harness; latency from real
 routed batches (`latency`); every average carries a bootstrap interval and the paper's claimed
-differences a paired one (`stats`).
+differences a paired one (`stats`). Latency: every method, the untuned and constant ones included,
+timed in the same routed batches on the same test questions (`latency`).
+
+Chosen on validation, never on test: Figure 4's thresholds (quantiles of SR-RAG's score on the
+validation questions) and `selective_rag_at_srrag_retrieval` (Selective RAG's threshold at which
+its validation % retrieval matches SR-RAG's). The threshold sweeps in `curves` are on the test
+split and labelled post hoc (`post_hoc`).
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from jaxrag.errors import JaxragError
 from jaxrag.eval import harness, latency, stats
 from jaxrag.eval.harness import Decision, Paths
 from jaxrag.eval.selectors import SeedSelectors
-from jaxrag.models.tokens import WIKI
-from jaxrag.pipeline_srrag import eval_items, load, retriever, route_config
-from jaxrag.policies import always
+from jaxrag.models.tokens import SELF, WIKI
+from jaxrag.pipeline_srrag import eval_items, load, retriever, route_config, training_record
+from jaxrag.policies import always, router_inputs
 from jaxrag.policies import srrag as srrag_policies
 
 PAPER_VERSION = ("SR-RAG: Binding Selective Retrieval with Knowledge Verbalization (arXiv 2504.01018, revised "
@@ -74,7 +80,11 @@ CONSTANT = {"always_rag": True, "genread": False}
 # The paper's claims: SR-RAG against each of these (paired differences of average accuracy).
 COMPARED = ("selective_rag", "srrag_always_rag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo",
             "ik", "seakr", "ccsk")
-AUROC_COMPARED = ("srrag_no_knn", "selective_rag")  # Table 2: kNN (and SR-RAG) raise AUROC
+# Table 2's kNN claim: the same model's two paths, so both AUROCs rank the same labels. SR-RAG
+# against Selective RAG is not compared: their positives differ ("retrieval beats verbalizing" vs
+# "retrieval beats no knowledge"), so the difference of AUROCs would not be one quantity.
+AUROC_COMPARED = ("srrag_no_knn",)
+POST_HOC = {"curves": "threshold sweeps on the test split itself (post hoc; for plots only)"}
 PROTOCOLS = ("paper", "validation")
 
 
@@ -138,11 +148,9 @@ class Evaluation:
             self.results["source_selection"][m.name] = harness.source_selection(test, d)
             self.results["curves"][m.name] = harness.sweep(test, d.score, d.seconds)
 
-    def measured(self, m: Method, model, policy, test: Paths, d: Decision, retrieve, idx: np.ndarray) -> None:
-        """Mixed decisions: latency from real routed batches on the latency questions."""
+    def measured(self, m: Method, routed, test: Paths, d: Decision, idx: np.ndarray) -> None:
+        """Latency from real routed batches on the latency questions (`latency`), every method."""
         items = [test.items[i] for i in idx]
-        routed = latency.route_items(model, items, policy, retrieve, route_config(self.cfg), self.bs,
-                                     f"{m.name} latency")
         s = {**latency.summarize(items, routed), **latency.agreement(routed, idx, test, d)}
         self.results["latency"][m.name] = s
         self.results["average"][m.name]["latency_s"] = s["latency_s"]
@@ -184,10 +192,16 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
         is_test = np.arange(len(paths.items)) < n_test
         return paths.take(is_test), (paths.take(~is_test) if use_val else None)
 
+    lat_items = [test[i] for i in idx]
     # The untuned model: always-RAG and GenRead on its own prompts (constant decisions).
     untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs)
     for m in (m for m in METHODS if m.model == "untuned"):
-        ev.add(m, untuned, ev.decide(m, untuned, None, None)[0])
+        d = ev.decide(m, untuned, None, None)[0]
+        ev.add(m, untuned, d)
+        source = WIKI if CONSTANT[m.rule] else SELF
+        ev.measured(m, latency.untuned_route_items(ev.selectors.base, lat_items, source, real_retrieve, rc, bs,
+                                                   f"{m.name} latency"), untuned, d, idx)
+    val_scores = {}  # rule -> its score on the validation questions (Figure 4, matched % retrieval)
     for key, (model_dir, store) in MODELS.items():
         model = load(cfg, workdir / model_dir)
         t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths"))
@@ -196,16 +210,25 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
         for m in (m for m in METHODS if m.model == key):
             d, policy = ev.decide(m, t_paths, v_paths, nb)
             ev.add(m, t_paths, d)
-            if m.rule not in CONSTANT:
-                ev.measured(m, model, policy, t_paths, d, real_retrieve, idx)
-        if key == "srrag":
-            ev.results["figure4"] = figure4_points(cfg, model, t_paths, ev, nb, real_retrieve, idx)
+            ev.measured(m, latency.route_items(model, lat_items, policy, real_retrieve, rc, bs, f"{m.name} latency"),
+                        t_paths, d, idx)
+        if key in ("srrag", "selective") and val:
+            inputs = router_inputs(model, harness.questions_of(val), rc.hidden_layer, bs)
+            val_scores[key] = np.asarray(srrag_policies.srrag_policy(nb, 0.0)(inputs).score, np.float64)
+        if key == "srrag" and val:
+            ev.results["figure4"] = figure4_points(cfg, model, t_paths, ev, nb, real_retrieve, idx, val_scores["srrag"])
         del model
+    if {"srrag", "selective"} <= set(val_scores) and "selective_rag" in ev.decisions:
+        ev.results["selective_rag_at_srrag_retrieval"] = matched_retrieval(
+            val_scores["srrag"], ev.thresholds["srrag"], val_scores["selective"], *ev.decisions["selective_rag"])
+    ev.results["post_hoc"] = dict(POST_HOC)
     ev.intervals(test)
     ev.results["config"] = {**cfg.to_dict(), "thresholds": {"protocol": ev.protocol, **ev.thresholds,
                                                             **ev.selectors.fixed_thresholds()},
                             "paper_version": PAPER_VERSION, "n_validation": len(val), "n_test": n_test,
-                            "n_latency": len(idx), "data_counts": data_counts(test, val, ev.selectors.train_items)}
+                            "n_latency": len(idx), "data_counts": data_counts(test, val, ev.selectors.train_items),
+                            "latency_questions": latency_questions(test, idx, bs),
+                            "training": training_record(cfg, workdir)}
     stats_file = workdir / "construct" / "stats.json"
     if stats_file.is_file():
         from jaxrag.data.construct_stats import stats_markdown
@@ -215,14 +238,34 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
     return write_results(ev.results, workdir)
 
 
-def figure4_points(cfg, model, test: Paths, ev: Evaluation, neighbours, retrieve, idx) -> list[dict]:
+def figure4_points(cfg, model, test: Paths, ev: Evaluation, neighbours, retrieve, idx, val_score) -> list[dict]:
     """Figure 4 on the latency questions of PubHealth and TriviaQA (the paper's two), or of every
-    set when those are absent."""
+    set when those are absent; thresholds from SR-RAG's score on the validation questions."""
     names = [test.items[i][0] for i in idx]
     chosen = idx[np.isin(names, ["pubhealth", "triviaqa"])] if {"pubhealth", "triviaqa"} & set(names) else idx
-    score = ev.decisions["srrag"][1].score[chosen]
-    return latency.figure4(model, [test.items[i] for i in chosen], score, neighbours, retrieve, route_config(cfg),
-                           ev.bs, int(cfg.eval.latency_sweep_points))
+    return latency.figure4(model, [test.items[i] for i in chosen], val_score, neighbours, retrieve,
+                           route_config(cfg), ev.bs, int(cfg.eval.latency_sweep_points))
+
+
+def matched_retrieval(srrag_val: np.ndarray, srrag_t: float, selective_val: np.ndarray, test: Paths,
+                      d: Decision) -> dict:
+    """Selective RAG at SR-RAG's % retrieval, chosen on validation: the threshold at which
+    Selective RAG retrieves for the same share of the validation questions as SR-RAG at its own
+    threshold, then applied to Selective RAG's test scores."""
+    share = float(np.mean(srrag_val > srrag_t))
+    t = latency.figure4_threshold(selective_val, 1.0 - share)
+    avg = harness.summarize(test, Decision(d.score > t, d.score, d.seconds))[1]
+    return {"threshold": t, "srrag_rag_frac_validation": share,
+            "rag_frac_validation": float(np.mean(selective_val > t)), "chosen_on": "validation",
+            "acc": avg["acc"], "rag_frac": avg["rag_frac"]}
+
+
+def latency_questions(test, idx: np.ndarray, batch_size: int) -> str:
+    """Which questions every method's latency is measured on, in words (for the report)."""
+    counts = data_counts([test[i] for i in idx], [], [])
+    sets = ", ".join(f"{n} {c['test']}" for n, c in counts.items())
+    return (f"the first questions of each test set ({sets}; {len(idx)} in all), routed in batches of "
+            f"{batch_size} within a set, the same batches for every method")
 
 
 def data_counts(test, val, train) -> dict[str, dict[str, int]]:

@@ -2,7 +2,12 @@
 decision rules, for the eval stage.
 
 - IK: logistic probe on the untuned model's question + first answer tokens, judge label "answers
-  correctly closed-book"; retrieve iff P(know) < 0.5 (score 1 - P(know)).
+  correctly closed-book"; retrieve iff P(know) < 0.5 (score 1 - P(know)). IK's judge gives a
+  binary Yes/No per answer; with the paper's string metrics as the judge, "correct" is a pass mark
+  per metric (`IK_KNOWS_CUT`, `knows`): the binary metrics' own 1, and at least half on the graded
+  ones (token F1 on Wizard of Wikipedia; ASQA's STR-EM, the share of its disambiguated answers
+  named). A graded score above 0 is not knowing: one shared token, or one of several answers, is
+  partial at best. The cuts are fixed, not tuned, and label training questions only.
 - SeaKR: uncertainty U(q) from sampled generations; its paper searches the threshold "on a small
   subset of the training set": the cut that best agrees with the training labels (retrieval
   preferred, from the construct stage) on `SEAKR_FIT_QUESTIONS` stratified training questions.
@@ -19,7 +24,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxrag.data.mixture import stratified_sample
-from jaxrag.eval.metrics import score_prediction
+from jaxrag.eval.metrics import metric_name, score_prediction
 from jaxrag.policies import PolicyDecision, PolicyInputs
 from jaxrag.policies import ccsk as ccsk_mod
 from jaxrag.policies import ik as ik_mod
@@ -27,6 +32,13 @@ from jaxrag.policies import seakr as seakr_mod
 
 SEAKR_FIT_QUESTIONS = 200  # "a small subset of the training set"
 IK_P_KNOW = 0.5  # retrieve iff the probe's P(know) is below one half
+# IK's judge label "answers correctly": the pass mark per metric (binary metrics: 1 = correct).
+IK_KNOWS_CUT = {"match": 1.0, "true_false": 1.0, "choice": 1.0, "f1": 0.5, "str_em": 0.5}
+
+
+def knows(dataset: str, prediction: str, example) -> bool:
+    """IK's judge label for one closed-book answer: its score reaches its metric's pass mark."""
+    return score_prediction(dataset, prediction, example) >= IK_KNOWS_CUT[metric_name(dataset)]
 
 
 @dataclasses.dataclass
@@ -53,13 +65,13 @@ class SeedSelectors:
         max_new = int(cfg.inference.max_answer_tokens)
         # IK's judge label: does the untuned model answer correctly closed-book?
         answers = ik_mod.closed_book_generations(base, questions, max_new)
-        knows = np.array([score_prediction(name, base.tokenizer.decode(a[0], skip_special_tokens=True), ex) > 0
-                          for (name, ex), a in zip(train, answers)])
+        judged = np.array([knows(name, base.tokenizer.decode(a[0], skip_special_tokens=True), ex)
+                           for (name, ex), a in zip(train, answers)])
         ik = None
-        if 0 < knows.mean() < 1:
-            ik = ik_mod.fit_ik(base, questions, knows, answer_tokens=int(b.ik_answer_tokens))
+        if 0 < judged.mean() < 1:
+            ik = ik_mod.fit_ik(base, questions, judged, answer_tokens=int(b.ik_answer_tokens))
         else:
-            print(f"  ik: the untuned model answers {knows.mean():.0%} of the training questions closed-book; "
+            print(f"  ik: the untuned model answers {judged.mean():.0%} of the training questions closed-book; "
                   "one judge class, so IK always predicts it", flush=True)
         # Retrieval-preferred labels of the training questions (the construct stage's kv labels).
         by_id = {(rec["dataset"], rec["id"]): rec["label"] == "wiki" for rec in construct_records(workdir)}
@@ -72,7 +84,7 @@ class SeedSelectors:
         ccsk = ccsk_mod.fit_ccsk(base, encoder, [it[1].prompt_question() for it, _ in labelled],
                                  np.array([y for _, y in labelled]), [it[1].golden_answers[0] for it, _ in labelled],
                                  max_new_tokens=max_new)
-        return cls(cfg, base, encoder, train_items, train, ik, not knows.any(), seakr_threshold, ccsk)
+        return cls(cfg, base, encoder, train_items, train, ik, not judged.any(), seakr_threshold, ccsk)
 
     def score_policy(self, rule: str):
         """threshold t -> a Policy retrieving iff its score > t."""
@@ -93,7 +105,7 @@ class SeedSelectors:
 
     def fixed_thresholds(self) -> dict:
         """The thresholds no protocol tunes, for `config.thresholds`."""
-        return {"ik_p_know": IK_P_KNOW, "seakr_fitted_on_training": self.seakr_threshold,
+        return {"ik_p_know": IK_P_KNOW, "ik_knows_cut": dict(IK_KNOWS_CUT), "seakr_fitted_on_training": self.seakr_threshold,
                 "ccsk": {"tau_pred": ccsk_mod.TAU_PRED, "tau_conf": ccsk_mod.TAU_CONF,
                          "tau_single": ccsk_mod.TAU_SINGLE}}
 

@@ -83,12 +83,22 @@ def auroc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 
 def paired_auroc_difference(boot: StratifiedBootstrap, paths_a, d_a, paths_b, d_b) -> dict:
-    """Table 2's average AUROC of method a minus method b (each labelled by its own two paths,
-    "retrieval strictly better than verbalization"), with a paired 95% interval."""
+    """Table 2's average AUROC of method a minus method b on one set of labels ("retrieval
+    strictly better than the other path"), with a paired 95% interval. Both methods must rank the
+    same labels (e.g. SR-RAG and its w/o kNN ablation, one model's paths): AUROCs over different
+    positives are not one quantity, so that is an error."""
+    from jaxrag.errors import JaxragError
     from jaxrag.models.tokens import WIKI
 
+    def labels_of(paths):
+        return np.asarray(paths.correct[WIKI] > paths.correct[paths.other])
+
+    if not np.array_equal(labels_of(paths_a), labels_of(paths_b)):
+        raise JaxragError("paired_auroc_difference: the two methods' AUROCs rank different labels (their "
+                          "paths differ); compare AUROCs only over one set of labels")
+
     def draws(paths, d):
-        labels = paths.correct[WIKI] > paths.correct[paths.other]
+        labels = labels_of(paths)
         per_set = np.array([auroc(labels[idx], d.score[idx]) for idx in boot.groups.values()])
         point = np.nan if np.isnan(per_set).all() else np.nanmean(per_set)  # no set with both classes
         return point, boot.auroc(labels, d.score)
