@@ -204,7 +204,8 @@ def _stages():
 
 
 def preflight(cfg: ConfigDict) -> None:
-    """Real-model configs stop at once, before any work, when weights are not at hand."""
+    """Real-model configs stop at once, before any work, when the weights are not at hand or a
+    dataset file is wrong or smaller than the mixture's counts (`data.check`)."""
     if is_embedded(cfg):
         return
     from jaxrag.models.model import resolve_model_dir
@@ -214,6 +215,9 @@ def preflight(cfg: ConfigDict) -> None:
     except JaxragError as e:
         raise JaxragError(f"{e}. Download the weights and pass --config.model.path=/path/to/hf_model_dir "
                           "(plus --config.retrieval.corpus=/path/psgs_w100.tsv and --config.data.paths.NAME=/path per dataset)") from None
+    from jaxrag.data.check import check_data
+
+    check_data(cfg)  # every row of every dataset, and Table 5's counts against the files: before `base`
 
 
 # Stages that run the decoder's programs (`jaxrag.plan_programs`): before the first of them runs,

