@@ -52,10 +52,13 @@ def always(source: str) -> Policy:
 def source_probabilities(logits, source_ids) -> np.ndarray:
     """p_M(<s> | q) for each source token: next-token logits at `<EOQ>` [batch, vocab] -> the
     softmax over the whole vocabulary at the source tokens' ids [batch, n_sources], float64."""
-    logits = np.asarray(logits, np.float64)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    log_z = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    return np.exp(shifted[:, np.asarray(source_ids, int)] - log_z)
+    import jax
+    import jax.numpy as jnp
+
+    # On the logits' device: only [batch, n_sources] log-probabilities leave it.
+    logits = jnp.asarray(logits, jnp.float32)
+    log_p = logits[:, jnp.asarray(source_ids, jnp.int32)] - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    return np.exp(np.asarray(log_p, np.float64))
 
 
 def router_inputs(model, questions: list[str], hidden_layer: int, batch_size: int = 32) -> PolicyInputs:
@@ -79,6 +82,6 @@ def router_inputs(model, questions: list[str], hidden_layer: int, batch_size: in
         ids, mask = left_pad(chunk, length, rows)
         state, h = extend(model.decoder, init_state(model.decoder, rows, length), jnp.asarray(ids),
                           jnp.asarray(mask), hidden_layer=hidden_layer)
-        p_model.append(source_probabilities(np.asarray(state.logits[:len(chunk)], np.float32), src_ids))
+        p_model.append(source_probabilities(state.logits[:len(chunk)], src_ids))
         hidden.append(np.asarray(h[:len(chunk)], np.float32))
     return PolicyInputs(list(questions), tuple(model.sources), np.concatenate(p_model), np.concatenate(hidden))
