@@ -173,3 +173,21 @@ def test_write_plots_empty_and_failed_write(tmp_path, monkeypatch):
         write_plots({}, tmp_path / "p")
     assert paths[0].read_bytes() == before
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["accuracy_vs_retrieval.png", "latency_accuracy.png"]
+
+
+def test_training_stages_validation_choices_and_latency_questions():
+    results = {"config": {"latency_questions": "the first 2 questions of each test set", "training": {
+        "selective_rag": {"stages": [{"name": "stage1", "objective": "stage1_loss", "epochs": 3, "steps": 27, "lr": 3e-4},
+                                     {"name": "stage2", "objective": "stage1_loss", "epochs": 2, "steps": 18, "lr": 1e-4}]},
+        "srrag": {"stages": [{"name": "stage2", "objective": "stage2_loss", "epochs": 2, "steps": None, "lr": 1e-4}]}}},
+        "selective_rag_at_srrag_retrieval": {"threshold": 0.25, "srrag_rag_frac_validation": 0.4,
+                                             "rag_frac_validation": 0.4, "acc": 0.6125, "rag_frac": 0.45},
+        "latency": {"no_ft_genread": {"latency_s": 0.5, "phases": {"T_v": 0.25, "T_g": 0.25}, "n": 4}}}
+    text = render_report(results)
+    assert "| Selective RAG | stage2 | stage1_loss | 2 | 18 | 0.0001 |" in text
+    assert "| SR-RAG | stage2 | stage2_loss | 2 | – | 0.0001 |" in text  # steps unknown: not invented
+    assert "same second stage as SR-RAG" in text
+    assert ("threshold 0.25 chosen on the validation split, where SR-RAG retrieves 40% and Selective RAG 40%): "
+            "test ACC 0.613 at 45% retrieval") in text
+    assert "Every method timed the same way: the first 2 questions of each test set." in text
+    assert "| Untuned, GenRead | 0.500 | – | 0.250 | – | 0.250 |" in text
