@@ -10,7 +10,9 @@ path independent of the other rows, so this equals routing every question once p
 re-decoding the same path twelve times. A policy's own compute (SeaKR's samples, IK's 32 tokens) is
 timed and added to its latency, as T_d. Retrieval, too, runs once per question (`RetrievalCache`,
 as FlashRAG's retrieval cache) and its measured time is charged as T_r on every Wiki path.
-Every timed batch excludes compilation (`without_compiles`).
+Every timed batch excludes compilation (`without_compiles`). These per-path latencies serve the
+threshold sweeps (`sweep`) only: the reported latency of every method comes from real routed
+batches on the same questions (`latency`).
 """
 
 from __future__ import annotations
