@@ -8,6 +8,14 @@ runs all its new tokens. tok/s = batch x new tokens / wall time of one whole gen
 and host transfers included, compilation excluded: one warm-up call each); the two alternate and
 the result is the median of `repeats` calls.
 
+jaxrag decodes with the model as inference loads it (`for_inference`: each layer's weights in
+buffers of their own). Per batch size, `step_bytes_accessed` is XLA's count of the bytes one
+compiled decode step (append one token, pick the next) moves, `step_argument_bytes` the bytes of
+its arguments (weights, KV cache, decode state), and `bytes_ratio` their ratio: 1 when every
+byte is read once; copying weights or cache before use pushes it to ~3. The layer loop is a
+Python loop, so XLA's count covers every layer (a scan body would be counted once).
+`compile_s`: seconds to trace and compile the prefill and decode programs of the first call.
+
 `identical`: every token jaxrag generated is transformers' argmax given the prompt and jaxrag's own
 previous tokens, from one teacher-forced HF forward without a cache, up to `--tie-tol` below the
 best logit (near-ties of random weights). HF's own cached `generate` can drift from its uncached
@@ -18,6 +26,8 @@ from __future__ import annotations
 
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
@@ -26,9 +36,10 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import (Parser, add_common_args, check_arch, environment, median, positive_int,
                                qwen2_config, write_json)
+from jaxrag.decode import sampler
 from jaxrag.decode.sampler import generate
 from jaxrag.models import hf
-from jaxrag.models.decoder import Decoder
+from jaxrag.models.decoder import Decoder, unstack_layers
 from jaxrag.models.model import pad_vocab
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the peer runs where jaxrag does, if it can
@@ -45,7 +56,35 @@ def make_models(arch: dict, max_positions: int, seed: int = 0):
     params = pad_vocab(hf.hf_to_params(tensors, cfg, np.float32), cfg)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))  # shapes only, no init
     nnx.replace_by_pure_dict(state, params)
-    return peer, nnx.merge(graphdef, state)
+    return peer, unstack_layers(nnx.merge(graphdef, state))
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def compile_decode_step(decoder: Decoder, batch: int, slots: int):
+    """(compiled program, its abstract arguments): one decode step as `sampler.decode` runs it,
+    append each row's token to a `slots`-long cache and pick the next (greedy), state donated."""
+    graphdef, params = nnx.split(decoder)
+    state = jax.eval_shape(lambda: sampler.init_state(decoder, batch, slots))
+
+    def step(p, st, ids, mask):
+        new, _ = sampler._extend(nnx.merge(graphdef, p), st, ids, mask)
+        return new, sampler.sample_tokens(new.logits, jax.random.key(0), sampler.SamplingParams())
+
+    args = (_abstract(params), state, jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+            jax.ShapeDtypeStruct((batch, 1), bool))
+    return jax.jit(step, donate_argnums=1).lower(*args).compile(), args
+
+
+def step_bytes(decoder: Decoder, batch: int, slots: int) -> dict:
+    """XLA's bytes accessed by one compiled decode step, its arguments' bytes, and their ratio."""
+    compiled, args = compile_decode_step(decoder, batch, slots)
+    accessed = float(compiled.cost_analysis()["bytes accessed"])
+    argument = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args))
+    return {"step_bytes_accessed": int(accessed), "step_argument_bytes": int(argument),
+            "bytes_ratio": round(accessed / argument, 4)}
 
 
 def jaxrag_generate(decoder: Decoder, prompts: np.ndarray, new: int) -> np.ndarray:
@@ -75,7 +114,9 @@ def teacher_forced_match(model, prompts: np.ndarray, tokens: np.ndarray, tie_tol
 def bench_batch(peer, decoder: Decoder, prompts: np.ndarray, new: int, repeats: int,
                 tie_tol: float) -> tuple[dict, np.ndarray]:
     """One batch size: (result row, jaxrag's tokens [batch, new])."""
+    start = time.perf_counter()
     ours = jaxrag_generate(decoder, prompts, new)  # warm-up: compiles the prefill and decode loop
+    first_s = time.perf_counter() - start
     theirs = hf_generate(peer, prompts, new)
     ours_s, theirs_s = [], []
     for _ in tqdm(range(repeats), desc=f"batch {len(prompts)} (jaxrag, transformers)", unit="call"):
@@ -92,8 +133,10 @@ def bench_batch(peer, decoder: Decoder, prompts: np.ndarray, new: int, repeats: 
     row = {"batch": len(prompts), "jaxrag_tok_s": round(tokens / median(ours_s), 1),
            "hf_tok_s": round(tokens / median(theirs_s), 1), "identical": bool(match.all()),
            "teacher_forced_match": round(float(match.mean()), 4),
-           "hf_generate_same": round(float(np.mean(theirs == ours)), 4)}
+           "hf_generate_same": round(float(np.mean(theirs == ours)), 4),
+           "compile_s": round(first_s - median(ours_s), 2)}
     row["speedup"] = round(row["jaxrag_tok_s"] / row["hf_tok_s"], 3)
+    row.update(step_bytes(decoder, len(prompts), sampler.bucket(prompts.shape[1]) + sampler.bucket(new)))
     return row, ours
 
 

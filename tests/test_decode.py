@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from jaxrag.decode.sampler import SamplingParams, generate
+from jaxrag.decode.sampler import SamplingParams, bucket, generate
 from jaxrag.decode.scoring import score
+from jaxrag.models.model import for_inference
 
 PROMPTS = [[5, 17, 33, 9, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [99, 3, 120]]
 
@@ -35,6 +36,29 @@ def test_chunked_prefill_equals_transformers(tiny_hf, variant, monkeypatch):
     whole = generate(model.decoder, PROMPTS, 12)
     monkeypatch.setattr(sampler, "PREFILL_CHUNK", 4)  # PROMPTS bucket to 16 columns: 4 chunks
     assert generate(model.decoder, PROMPTS, 12) == whole == _hf_greedy(ref, PROMPTS, 12)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "phi3_window"])
+def test_inference_layout_decodes_and_scores_like_the_stacked_model(tiny_hf, variant, monkeypatch):
+    """`for_inference` (per-layer weight buffers, the layer loop) gives transformers' greedy
+    tokens, chunked prefill included, and the stacked model's scores."""
+    from jaxrag.decode import sampler
+
+    ref, _, model = tiny_hf(variant)
+    fast = for_inference(model)
+    assert not hasattr(fast.decoder.layers, "attn")  # one Block per layer, not one stacked Block
+    want = _hf_greedy(ref, PROMPTS, 12)
+    assert generate(fast.decoder, PROMPTS, 12) == want
+    monkeypatch.setattr(sampler, "PREFILL_CHUNK", 4)
+    assert generate(fast.decoder, PROMPTS, 12) == want
+    prefixes, targets = [[5, 17, 33], [7, 8, 9, 10]], [[40, 41], [2, 3, 4]]
+    np.testing.assert_allclose(np.concatenate(score(fast.decoder, prefixes, targets).per_token),
+                               np.concatenate(score(model.decoder, prefixes, targets).per_token), atol=1e-5)
+
+
+def test_bucket_pads_to_a_power_of_two_or_a_multiple_of_128():
+    assert [bucket(n) for n in (1, 5, 9, 100, 128, 129, 256, 257, 1188, 2048)] == \
+        [8, 8, 16, 128, 128, 256, 256, 384, 1280, 2048]
 
 
 def test_stop_tokens_per_row_end_rows_independently(tiny_hf):

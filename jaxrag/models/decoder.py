@@ -12,6 +12,14 @@ The layers are one stacked `Block` (every parameter has a leading `layers` axis)
 `jax.lax.scan`, for every model size: XLA compiles one layer once, and under FSDP it gathers,
 uses and frees one layer's weights at a time (and reduce-scatters that layer's gradients inside
 the backward loop). `remat` wraps the scanned layer in `jax.checkpoint` (see `REMAT_POLICIES`).
+
+Generation reads every weight and cache byte once per token, so it iterates the same layer
+function differently: `unstack_layers` gives each layer's weights buffers of their own (an
+`nnx.List` of Blocks), the KV cache is one `LayerCache` per layer, and a Python loop runs the
+layers, so XLA sees each weight and cache as an argument it reads in place. Slicing a layer out
+of the stacked arrays, statically or not, makes XLA copy it before use (~3x the bytes moved per
+decode step). A stacked decoder given a cache runs the same loop over such slices: correct,
+with those copies.
 With `lora_rank` > 0 the projections named in `lora_targets` carry LoRA adapters (float32 A, B;
 `jaxrag.models.lora` adds, trains and merges them).
 """
@@ -140,10 +148,36 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
-class KVCache(NamedTuple):
-    """All layers' keys and values, stacked: one buffer each, updated in place per step."""
-    k: jax.Array  # [layers, batch, kv_heads, head_dim, cache_len]
-    v: jax.Array
+class LayerCache(NamedTuple):
+    """One layer's keys and values, each a buffer of its own, updated in place per step. Rows
+    and KV heads share the leading axis: with one row, a separate batch axis of size 1 makes
+    XLA-CPU reshape the freshly written buffer for the matmuls and copy the layer's whole cache."""
+    k: jax.Array  # [batch * kv_heads, slots, head_dim]
+    v: jax.Array  # [batch * kv_heads, slots, head_dim]
+
+
+KVCache = tuple[LayerCache, ...]  # one per layer
+
+
+def cached_attention(q, cache: LayerCache, mask) -> jax.Array:
+    """q [b, t, heads, h] over a layer's cache (this chunk written) -> [b, t, heads, h]: what
+    `jax.nn.dot_product_attention` computes on XLA (float32 logits and softmax, the same mask),
+    as grouped-query matmuls that read the cache in place. The softmax is normalised after the
+    value matmul, on its small output: every pass over the [.., slots] scores is a read of
+    ~g/h of the cache's bytes per step."""
+    b, t, n, h = q.shape
+    kv = cache.k.shape[0] // b
+    g, f32 = n // kv, jnp.float32
+    qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, h)
+    logits = jnp.einsum("zqh,zsh->zqs", qg, cache.k.astype(q.dtype), preferred_element_type=f32)
+    logits = logits.reshape(b, kv, g, t, -1) * f32(1.0 / math.sqrt(h))
+    logits = jnp.where(mask[:, :, None], logits, f32(-0.7 * jnp.finfo(f32).max))  # mask [b, 1, t, s]
+    weights = jnp.exp(logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))).astype(q.dtype)
+    total = weights.astype(f32).sum(axis=-1)[..., None]  # [b, kv, g, t, 1]
+    out = jnp.einsum("zqs,zsh->zqh", weights.reshape(b * kv, g * t, -1), cache.v.astype(q.dtype),
+                     preferred_element_type=f32)
+    out = (out.reshape(b, kv, g, t, h) / total).astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def attention_implementation(backend: str, dtype, head_dim: int, sliding_window: int | None,
@@ -185,24 +219,27 @@ class Attention(nnx.Module):
             y = y + getattr(self, bias_name)[...].astype(x.dtype)
         return y
 
-    def __call__(self, x, cos, sin, mask, cache: KVCache | None, layer, cache_index, dropout=None):
-        """x [b, t, e]; mask [b, 1, t, s] bool; `cache` all layers' (this one is `layer`)
-        -> ([b, t, e], updated cache or None)."""
+    def __call__(self, x, cos, sin, mask, cache: LayerCache | None, cache_index, dropout=None):
+        """x [b, t, e]; mask [b, 1, t, s] bool; `cache` this layer's -> ([b, t, e], updated cache or None)."""
         q = apply_rope(self._project(x, "wq", "bq", dropout), cos, sin)
         k = apply_rope(self._project(x, "wk", "bk", dropout), cos, sin)
         v = self._project(x, "wv", "bv", dropout)
-        if cache is not None:
-            # Write this chunk's slots of this layer in place, then read the layer's keys. Slots
-            # are the minor axis ([b, kv, h, slots]), the layout XLA-CPU's attention matmuls read:
-            # stored slots-major, every decode step copied each layer's whole cache into it.
-            start = (layer, 0, 0, 0, cache_index)
-            write = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.transpose(0, 2, 3, 1)[None].astype(buf.dtype), start)
-            read = lambda buf: jax.lax.dynamic_index_in_dim(buf, layer, keepdims=False).transpose(0, 3, 1, 2).astype(x.dtype)
-            cache = KVCache(write(cache.k, k), write(cache.v, v))
-            k, v = read(cache.k), read(cache.v)
+        key_len = k.shape[1] if cache is None else cache.k.shape[1]
         impl = attention_implementation(jax.default_backend(), x.dtype, self.cfg.head_dim, self.cfg.sliding_window,
-                                        q.shape[1], k.shape[1])
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # grouped-query aware
+                                        q.shape[1], key_len)
+        if cache is not None:
+            # This chunk's slots, written in place at `cache_index`: [b, t, kv, h] -> [b * kv, t, h].
+            write = lambda buf, new: jax.lax.dynamic_update_slice(
+                buf, new.transpose(0, 2, 1, 3).reshape(buf.shape[0], -1, new.shape[-1]).astype(buf.dtype),
+                (0, cache_index, 0))
+            cache = LayerCache(write(cache.k, k), write(cache.v, v))
+            if impl == "xla":
+                out = cached_attention(q, cache, mask)
+            else:  # a long prefill chunk on cuDNN's fused kernel, which reads [b, s, kv, h]
+                read = lambda buf: buf.reshape(q.shape[0], -1, *buf.shape[1:]).transpose(0, 2, 1, 3).astype(x.dtype)
+                out = jax.nn.dot_product_attention(q, read(cache.k), read(cache.v), mask=mask, implementation=impl)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # grouped-query aware
         y = project(out, self.wo[...].astype(x.dtype), 2) + lora_delta(self, "wo", out, 2, dropout)
         if self.cfg.o_bias:
             y = y + self.bo[...].astype(x.dtype)
@@ -236,8 +273,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, mask, cache, layer, cache_index, dropout=None):
-        h, cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, cache_index, dropout)
+    def __call__(self, x, cos, sin, mask, cache, cache_index, dropout=None):
+        h, cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index, dropout)
         x = x + h
         return x + self.mlp(self.mlp_norm(x), dropout), cache
 
@@ -284,6 +321,46 @@ class DecoderOutput(NamedTuple):
     logits: jax.Array  # [batch, seq | k, padded_vocab] float32; padded ids masked
     hidden: jax.Array | None  # [batch, seq, hidden] output of the requested layer
     cache: KVCache | None
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def layer_views(layers, num_layers: int) -> list[Block]:
+    """Per-layer Blocks: the unstacked decoder's own, or slices of the stacked arrays (which XLA
+    copies before use: `unstack_layers` avoids that for generation)."""
+    if not isinstance(layers, Block):
+        return list(layers)
+    graphdef, stacked = nnx.split(layers)
+    return [nnx.merge(graphdef, jax.tree.map(lambda v: v.replace(v[...][i]), stacked, is_leaf=_is_variable))
+            for i in range(num_layers)]
+
+
+def unstack_layers(decoder: Decoder) -> Decoder:
+    """The decoder with each layer's weights in buffers of their own (an `nnx.List` of Blocks,
+    axis names without `layers`), the layout generation reads in place; `stack_layers` undoes
+    it. Same weights, same outputs."""
+    if not isinstance(decoder.layers, Block):
+        return decoder
+    graphdef, state = nnx.split(decoder)
+    layers_def, stacked = nnx.split(decoder.layers)
+    blocks = [nnx.merge(layers_def, jax.tree.map(lambda v: v.replace(v[...][i], out_sharding=v.out_sharding[1:]),
+                                                 stacked, is_leaf=_is_variable))
+              for i in range(decoder.cfg.num_layers)]
+    out = nnx.merge(graphdef, state)
+    out.layers = nnx.List(blocks)
+    return out
+
+
+def stack_layers(decoder: Decoder) -> Decoder:
+    """The decoder in training's layout: one stacked Block (undoes `unstack_layers`)."""
+    if isinstance(decoder.layers, Block):
+        return decoder
+    graphdef, state = nnx.split(decoder)
+    out = nnx.merge(graphdef, state)
+    out.layers = stack_blocks(list(decoder.layers))
+    return out
 
 
 def stack_blocks(blocks: list[Block]) -> Block:
@@ -337,27 +414,37 @@ class Decoder(nnx.Module):
         mask = attention_mask_4d(key_mask, input_ids.shape[1], cache_index, cfg.sliding_window, segment_ids)
         # A middle layer's output rides along in the carry, picked by the layer index.
         carry_hidden = hidden_layer is not None and 0 < hidden_layer < cfg.num_layers
-        graphdef, stacked = nnx.split(self.layers)
 
         def pin(x):
             return x if batch_sharding is None else jax.lax.with_sharding_constraint(x, batch_sharding)
 
         def layer(carry, xs):
-            x, kv, hidden = carry
-            i, params = xs
+            x, hidden = carry
+            i, block, kv = xs
             drop = None if lora_dropout is None else lora_dropout._replace(key=jax.random.fold_in(lora_dropout.key, i))
-            x, kv = nnx.merge(graphdef, params)(pin(x), cos, sin, mask, kv, i, cache_index, drop)
+            x, kv = block(pin(x), cos, sin, mask, kv, cache_index, drop)
             x = pin(x)
             if carry_hidden:
                 hidden = jnp.where(i + 1 == hidden_layer, x, hidden)
-            return (x, kv, hidden), None
+            return (x, hidden), kv
 
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat {remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
-        if remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
-        hidden = x if hidden_layer == 0 or carry_hidden else None
-        (x, new_cache, hidden), _ = jax.lax.scan(layer, (x, cache, hidden), (jnp.arange(cfg.num_layers), stacked))
+        carry = (x, x if hidden_layer == 0 or carry_hidden else None)
+        new_cache = None
+        if isinstance(self.layers, Block) and cache is None:  # training, scoring: the scanned stack
+            graphdef, stacked = nnx.split(self.layers)
+            scanned = lambda c, xs: layer(c, (xs[0], nnx.merge(graphdef, xs[1]), None))
+            if remat != "none":
+                scanned = jax.checkpoint(scanned, policy=REMAT_POLICIES[remat], prevent_cse=False)
+            carry, _ = jax.lax.scan(scanned, carry, (jnp.arange(cfg.num_layers), stacked))
+        else:  # generation (no backward pass, so no remat): each layer's own weights and cache, read in place
+            new_cache = []
+            for i, block in enumerate(layer_views(self.layers, cfg.num_layers)):
+                carry, kv = layer(carry, (i, block, None if cache is None else cache[i]))
+                new_cache.append(kv)
+            new_cache = None if cache is None else tuple(new_cache)
+        x, hidden = carry
         if logit_positions is not None:
             x = jnp.take_along_axis(x, logit_positions[..., None], axis=1)
         x = self.final_norm(x)
@@ -370,7 +457,7 @@ class Decoder(nnx.Module):
 
 
 def init_cache(cfg: DecoderConfig, batch: int, length: int, dtype=None) -> KVCache:
-    """Zeroed static-shape KV cache of every layer [layers, batch, kv_heads, head_dim, length]."""
+    """Zeroed static-shape KV cache: one `LayerCache` per layer, `length` slots."""
     dtype = dtype or resolve_dtype(cfg.dtype)
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, length)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    shape = (batch * cfg.num_kv_heads, length, cfg.head_dim)
+    return tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))

@@ -28,7 +28,8 @@ from flax import nnx
 from jaxrag import lanes
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
-from jaxrag.models.decoder import Decoder, DecoderConfig, positions_from_mask, resolve_dtype
+from jaxrag.models.decoder import (Decoder, DecoderConfig, positions_from_mask, resolve_dtype, stack_layers,
+                                   unstack_layers)
 from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, sources_in_tokenizer, srrag_tokens
 
 JAXRAG_META = "jaxrag.json"  # marks a jaxrag checkpoint: sources, token ids, dtypes
@@ -140,8 +141,22 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
         raise JaxragError(f"{path}: not a local directory and could not be fetched from the hub ({reason})") from None
 
 
-def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32") -> Model:
-    """HF directory / hub name / jaxrag checkpoint / GGUF -> Model. `dtype` = compute dtype ('auto' ok)."""
+def for_inference(model: Model) -> Model:
+    """The model as generation reads it fastest: LoRA adapters merged into their weights (once,
+    here, not per token), and each layer's weights in buffers of their own (`unstack_layers`), so
+    a decode step reads every weight byte once. Same outputs; not for training (which keeps the
+    adapters and the stacked layers)."""
+    from jaxrag.models.lora import merge_lora
+
+    merged = merge_lora(model)
+    return Model(unstack_layers(merged.decoder), merged.tokenizer, merged.hf_config, merged.sources)
+
+
+def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32", inference: bool = False) -> Model:
+    """HF directory / hub name / jaxrag checkpoint / GGUF -> Model. `dtype` = compute dtype ('auto' ok).
+    `inference`: the model as `for_inference` makes it (generation, scoring, serving; not training)."""
+    if inference:
+        return for_inference(load_model(path, dtype=dtype, param_dtype=param_dtype))
     if (gguf_file := gguf.find_gguf(path)) is not None:  # dequantized into a temporary HF directory
         with tempfile.TemporaryDirectory(prefix="jaxrag-gguf-") as tmp:
             return load_model(gguf.to_hf_dir(gguf_file, Path(tmp) / "hf"), dtype=dtype, param_dtype=param_dtype)
@@ -239,7 +254,7 @@ def save_model(model: Model, out) -> Path:
     """jaxrag checkpoint: HF config/tokenizer files + orbax params + jaxrag.json."""
     with atomic_dir(out) as tmp:
         _write_hf_side_files(model, tmp, model.config.param_dtype)
-        state = nnx.to_pure_dict(nnx.state(model.decoder))
+        state = nnx.to_pure_dict(nnx.state(stack_layers(model.decoder)))
         with lanes.ORBAX, ocp.StandardCheckpointer() as ckptr:  # the save completes inside the lock
             ckptr.save((tmp / PARAMS_DIR).absolute(), state)
         meta = {"format": "jaxrag", "sources": list(model.sources),
@@ -263,12 +278,13 @@ def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
 
 
 def host_params(decoder: Decoder) -> dict:
-    """Params as host numpy arrays, gathered from every process when sharded across hosts."""
+    """Params as host numpy arrays (training's stacked layout), gathered from every process when
+    sharded across hosts."""
     def gather(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)
-    return jax.tree.map(gather, nnx.to_pure_dict(nnx.state(decoder)))
+    return jax.tree.map(gather, nnx.to_pure_dict(nnx.state(stack_layers(decoder))))
 
 
 def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
