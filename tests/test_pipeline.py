@@ -146,9 +146,14 @@ def test_results_follow_the_shared_schema(workdir):
         assert lo <= results["average"][m]["acc"] + 1e-9 and results["average"][m]["acc"] <= hi + 1e-9
     assert {"srrag - selective_rag", "srrag - srrag_always_rag", "srrag - srrag_no_knn", "srrag - srrag_no_dpo",
             "srrag - srrag_no_kv_label"} <= set(results["comparisons"])
-    assert set(results["latency"]) == {"selective_rag", "srrag", "srrag_no_knn", "srrag_no_dpo", "srrag_no_kv_label",
-                                       "ik", "seakr", "ccsk"}
-    assert results["latency"]["srrag"]["n"] == 4 * 10 and len(results["figure4"]) == 5
+    assert set(results["latency"]) == methods  # every method the same measurement, on the same questions
+    assert {e["n"] for e in results["latency"].values()} == {4 * 10} and len(results["figure4"]) == 5
+    assert all({"T_d", "T_v", "T_r", "T_g"} == set(e["phases"]) for e in results["latency"].values())
+    training = results["config"]["training"]
+    assert set(training) == {"srrag", "selective_rag", "srrag_no_kv_label", "srrag_no_dpo"}
+    assert [(st["name"], st["objective"]) for st in training["selective_rag"]["stages"]] == [
+        ("stage1", "stage1_loss"), ("stage2", "stage1_loss")]  # SR-RAG's second stage, on its own loss
+    assert all(st["steps"] > 0 for t in training.values() for st in t["stages"])
     assert set(results["config"]["data_counts"]["popqa"]) == {"test"}  # validation from the mixture only
 
 
