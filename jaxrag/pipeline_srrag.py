@@ -262,13 +262,15 @@ TRAINING = {
 }
 
 
-def steps_run(stage_dir: Path) -> int | None:
-    """The last optimizer step a stage logged (`metrics.jsonl` logs the final step always);
-    None when it has no log."""
+def steps_run(stage_dir: Path, section: str) -> int | None:
+    """The last optimizer step the stage logged under its config section's name (`metrics.jsonl`
+    logs the final step always); None when it has no such log (not trained here, or a workdir
+    whose directory holds another stage's run)."""
     log = stage_dir / "metrics.jsonl"
     if not log.is_file():
         return None
-    steps = [json.loads(line)["step"] for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    steps = [r["step"] for r in records if r.get("task") == section]
     return max(steps) if steps else None
 
 
@@ -276,6 +278,6 @@ def training_record(cfg: ConfigDict, workdir: Path) -> dict:
     """`config.training`: per fine-tuned model, its stages as run:
     `{"stages": [{"name", "objective", "epochs", "steps", "lr"}, ...]}`."""
     return {model: {"stages": [{"name": section, "objective": objective, "epochs": int(cfg[section].epochs),
-                                "steps": steps_run(workdir / stage_dir), "lr": float(cfg[section].lr)}
+                                "steps": steps_run(workdir / stage_dir, section), "lr": float(cfg[section].lr)}
                                for stage_dir, section, objective in stages]}
             for model, stages in TRAINING.items()}

@@ -53,10 +53,11 @@ def test_training_record_reports_stages_as_run(tmp_path):
     from jaxrag.pipeline_srrag import training_record
 
     cfg = ConfigDict({"stage1": {"epochs": 3, "lr": 3e-4}, "stage2": {"epochs": 2, "lr": 1e-4}})
-    for stage_dir, last in (("stage1", 30), ("stage2", 20), ("baselines/selective_stage1", 27),
-                            ("baselines/selective", 18)):
+    for stage_dir, section, last in (("stage1", "stage1", 30), ("stage2", "stage2", 20),
+                                     ("baselines/selective_stage1", "stage1", 27), ("baselines/selective", "stage2", 18),
+                                     ("baselines/no_dpo", "stage1", 9)):
         (tmp_path / stage_dir).mkdir(parents=True)
-        lines = [{"step": s, "task": "x", "loss": 1.0} for s in (10, last)]
+        lines = [{"step": s, "task": section, "loss": 1.0} for s in (10, last)]
         (tmp_path / stage_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     got = training_record(cfg, tmp_path)
     assert set(got) == {"srrag", "selective_rag", "srrag_no_kv_label", "srrag_no_dpo"}
@@ -65,7 +66,8 @@ def test_training_record_reports_stages_as_run(tmp_path):
         {"name": "stage2", "objective": "stage1_loss", "epochs": 2, "steps": 18, "lr": 1e-4}]}
     assert got["srrag"]["stages"][1] == {"name": "stage2", "objective": "stage2_loss", "epochs": 2, "steps": 20,
                                          "lr": 1e-4}
-    assert got["srrag_no_dpo"]["stages"][1]["steps"] is None  # never trained here: no log, no steps
+    assert got["srrag_no_dpo"]["stages"][1]["steps"] is None  # its log is another section's run: not stage 2
+    assert got["srrag_no_kv_label"]["stages"][0]["steps"] is None  # never trained here: no log, no steps
 
 
 # -- 2. Latency: every method the same measurement -------------------------------------------------
