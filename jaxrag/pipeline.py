@@ -82,10 +82,10 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
     gates, both on questions no dataset holds (never a test question):
     - reading: seed 0's base read 0.39 of fresh-entity questions with the gold passage where
       seeds 1 and 5407 read 0.90, and 300 more steps (also reading-heavy ones) left it at 0.37-0.40;
-      it is asked as the pipeline asks (`probe.fresh_reading`: `retrieval.n_passages` passages in
-      the index's format, in the base prompt and in the routed `<EOQ><Wiki>` prompt truncated at
-      `inference.max_knowledge_tokens`; the lower of the two), since a base that read one gold
-      passage in its own format could still fail on what retrieval hands it;
+      it is asked as the pipeline asks the base (`probe.fresh_reading`: `retrieval.n_passages`
+      passages in the index's `(Title: T) text` lines, in the base prompt of construct and the
+      untuned baselines; the routed `<EOQ><Wiki>` prompt is recorded beside it), since a base that
+      read one gold passage in its own format could still fail on what retrieval hands it;
     - verbalizing: seed 2253's base (2026-11-27) read 0.91 but its GenRead documents stated the
       rule of 0.245 of fresh rule questions (other bases: 0.975-1.0), naming other categories'
       rules, so its <Self> path fell to chance on ARC-Challenge.
@@ -109,8 +109,8 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
         scores.append({"reading": reading["reading"], "reading_prompts": reading,
                        "verbalization": fresh_rule_verbalization(model, world, int(probe.rule_questions),
                                                                  int(cfg.construct.verbalize_max_tokens))})
-        print(f"  base attempt {attempt}: reads {scores[-1]['reading']:.2f} of fresh-entity questions with the gold "
-              f"passage (gate {gates['reading']:.2f}); its documents state the rule for "
+        print(f"  base attempt {attempt}: reads {scores[-1]['reading']:.2f} of fresh-entity questions with retrieved "
+              f"passages (gate {gates['reading']:.2f}); its documents state the rule for "
               f"{scores[-1]['verbalization']:.2f} of fresh rule questions (gate {gates['verbalization']:.2f})")
         margin = min(scores[-1][k] - gates[k] for k in gates)
         if best is None or margin > best_margin:

@@ -13,7 +13,10 @@ index's `(Title: T) text` lines, the gold one among same-type fresh distractors 
 in both prompts the pipeline puts passages in: the base prompt (`Question: q Background
 knowledge: ... Answer:`, as construct's labelling and the untuned always-RAG read them) and the
 routed Wiki row (`Question: q Background knowledge:<EOQ><Wiki> passages<EOK> Answer:`, truncated
-at `inference.max_knowledge_tokens`, as `route()` builds it); the gate reads the lower of the two.
+at `inference.max_knowledge_tokens`, as `route()` builds it). The gate reads the base prompt: it is
+what the pipeline asks of the base (construct's labels, the untuned baselines), while the routed
+row's SR-RAG tokens are still untrained in the base (pretraining never writes them; stage 1 teaches
+them), so `routed_prompt` is recorded beside it as a diagnostic, not gated on.
 `genread_popular` / `genread_rule` are the fractions of greedy GenRead documents (the base
 model's verbalizations, SR-RAG's <Self> knowledge) that state the gold answer, for popular-entity
 questions and for rule questions (the ARC-Challenge analogue); `*_chain`: see `chain_knowledge`.
@@ -149,9 +152,9 @@ def fresh_rule_verbalization(model, world, n: int, verbal_tokens: int) -> float:
 
 def fresh_reading(model, world, n: int, passages: int = 1, max_knowledge_tokens: int | None = None) -> dict:
     """Reading on `n` fresh-entity fact questions with `passages` retrieved-format passages
-    (`retrieved_passages`): accuracy in the base prompt (`base_prompt`) and in the routed Wiki
-    row's prompt (`routed_prompt`; needs the model's SR-RAG tokens), and the gate's `reading`,
-    the lower of the two."""
+    (`retrieved_passages`): accuracy in the base prompt (`base_prompt`, also the gate's
+    `reading`) and in the routed Wiki row's prompt (`routed_prompt`; needs the model's SR-RAG
+    tokens, untrained in a base: a diagnostic)."""
     from jaxrag.models.tokens import WIKI, source_token
 
     rng = random.Random(f"{world.config.seed}:fresh_reading_ranks")
@@ -162,7 +165,7 @@ def fresh_reading(model, world, n: int, passages: int = 1, max_knowledge_tokens:
     ids = routed_reading_prompts(tok, model.token_id(source_token(WIKI)), [q for q, *_ in questions],
                                  [p for _, p, _ in questions], max_knowledge_tokens or 10 ** 9)
     routed = answer_scores(_generate_ids(model, ids), golds)["accuracy"]
-    return {"reading": min(base, routed), "base_prompt": base, "routed_prompt": routed}
+    return {"reading": base, "base_prompt": base, "routed_prompt": routed}
 
 
 def _accuracy_in_context(model, questions: list[tuple[str, list[str], str]]) -> float:
