@@ -273,3 +273,30 @@ def test_routed_reading_prompt_is_routes_wiki_row(route_model):
     tail = len(tok(" Answer:", add_special_tokens=False)["input_ids"]) + 1
     head = full.index(wiki) + 1
     assert cut[:head + 3] == full[:head + 3] and cut[head + 3:] == full[-tail:]  # knowledge cut at 3 tokens
+
+
+def test_reading_gate_asks_both_prompts_and_gates_on_the_base_one(route_model, monkeypatch):
+    from jaxrag.data.world import generate_world
+    from jaxrag.eval import probe
+    from jaxrag.models.tokens import source_token
+
+    world = generate_world()
+    tok, wiki = route_model.tokenizer, route_model.token_id(source_token(WIKI))
+    gold = {q: a for q, _, a in probe.fresh_reading_questions(world, 6, 3)}
+    asked = []
+
+    def fake_generate(decoder, prompts, max_new, stop_ids=()):
+        out = []
+        for ids in prompts:
+            text = tok.decode(ids)
+            asked.append((wiki in ids, text))
+            q = next(q for q in gold if q in text)
+            out.append(tok(" " + (gold[q] if wiki not in ids else "no idea"), add_special_tokens=False)["input_ids"])
+        return out
+
+    monkeypatch.setattr(probe, "generate", fake_generate)
+    got = probe.fresh_reading(route_model, world, 6, passages=3, max_knowledge_tokens=10 ** 6)
+    assert got == {"reading": 1.0, "base_prompt": 1.0, "routed_prompt": 0.0}
+    assert sum(routed for routed, _ in asked) == 6 and len(asked) == 12
+    for _, text in asked:  # three passages in the index's lines, in either prompt
+        assert text.count("(Title: ") == 3
