@@ -201,7 +201,7 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
         source = WIKI if CONSTANT[m.rule] else SELF
         ev.measured(m, latency.untuned_route_items(ev.selectors.base, lat_items, source, real_retrieve, rc, bs,
                                                    f"{m.name} latency"), untuned, d, idx)
-    val_scores = {}  # rule -> its score on the validation questions (Figure 4, matched % retrieval)
+    val_scores = {}  # model -> its routing score on the validation questions (Figure 4, matched % retrieval)
     for key, (model_dir, store) in MODELS.items():
         model = load(cfg, workdir / model_dir)
         t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths"))
