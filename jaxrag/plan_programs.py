@@ -13,6 +13,9 @@ Shapes (the planner's stated assumptions where the data decides them):
   likelihood scoring of `score_batch_size` rows of question + one context + answer.
 - routed decoding: `inference.batch_size` rows (padded as the router does), a cache for prompt,
   verbalization, knowledge and answer; the prefill appends the knowledge chunk.
+- generation programs (construct's and routing's) read the model as inference loads it
+  (`for_inference`: LoRA merged into the base, each layer's weights in buffers of their own) and
+  take their decode state donated, as the sampler does.
 - retriever encoder: BERT-base (the DPR question encoder's shape), 64 rows x 256 tokens.
 """
 
@@ -29,7 +32,7 @@ from flax import nnx
 
 from jaxrag import sharding
 from jaxrag.decode import sampler
-from jaxrag.models.decoder import Decoder, DecoderConfig, init_cache, positions_from_mask
+from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, positions_from_mask, unstack_layers
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
 from jaxrag.models.lora import Trainable, check_targets
 from jaxrag.train import losses, trainer
@@ -164,27 +167,34 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
                                     forward_flops(dec_cfg, 2 * mrows, length, length, scored), 2 * mrows * length,
                                     math.ceil(TRAIN_QUESTIONS / mrows), param_bytes, tuple(fixes[:1])))
 
+    # Generation's model: adapters merged into the base (in its dtype), layers unstacked.
+    inf_cfg = dataclasses.replace(dec_cfg, lora_rank=0, lora_alpha=0.0, lora_targets=())
+    inf_decoder = nnx.eval_shape(lambda: unstack_layers(Decoder(inf_cfg, nnx.Rngs(0))))
+    inf_graphdef, inf_state = nnx.split(inf_decoder)
+    inf_params = _abstract(nnx.to_pure_dict(inf_state), sharding.param_shardings(mesh, inf_decoder))
+    inf_param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inf_params)) / mesh.size
+
     def extend_program(name, rows, chunk, slots, calls, fixes, hidden_layer=None):
         dtype = jnp.dtype(dec_cfg.dtype)
         # shapes only: a 7B KV cache (tens of GB) must never be allocated on the planning host
         state = jax.eval_shape(lambda: sampler.DecodeState(
-            init_cache(dec_cfg, rows, slots, dtype), jnp.zeros((rows, slots), bool), jnp.zeros((rows,), i32),
+            init_cache(inf_cfg, rows, slots, dtype), jnp.zeros((rows, slots), bool), jnp.zeros((rows,), i32),
             jnp.zeros((), i32), jnp.zeros((rows, dec_cfg.padded_vocab_size), f32)))
         bs, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-        cache_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharding.BATCH_AXES))
-        state_sh = sampler.DecodeState(sampler.KVCache(cache_sh, cache_sh), bs, bs, rep, bs)
+        layer_sh = LayerCache(bs, bs)  # [rows * kv_heads, slots, head_dim]: split over rows
+        state_sh = sampler.DecodeState(tuple(layer_sh for _ in state.cache), bs, bs, rep, bs)
         abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
         inputs = _batch(mesh, ids=((rows, chunk), i32), mask=((rows, chunk), bool))
 
         def run(p, st, ids, mask):
-            new, hidden = sampler._extend(nnx.merge(graphdef, p), st, ids, mask, hidden_layer)
+            new, hidden = sampler._extend(nnx.merge(inf_graphdef, p), st, ids, mask, hidden_layer)
             return new, hidden, sampler.sample_tokens(new.logits, jax.random.key(0), sampler.SamplingParams())
 
         fn = jax.jit(run, out_shardings=(state_sh, None, bs), donate_argnums=1)
         cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache)) / dp  # batch-sharded
-        programs.append(Program(name, fn, (abstract_params, abstract_state, inputs["ids"], inputs["mask"]),
+        programs.append(Program(name, fn, (inf_params, abstract_state, inputs["ids"], inputs["mask"]),
                                 forward_flops(dec_cfg, rows, chunk, slots, 1), rows * chunk, calls,
-                                param_bytes + cache_bytes, fixes))
+                                inf_param_bytes + cache_bytes, fixes))
 
     c, inf = cfg.construct, cfg.inference
     verbal = int(c.verbalize_max_tokens)
