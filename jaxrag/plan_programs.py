@@ -254,11 +254,14 @@ def plan_decoder_config(cfg) -> DecoderConfig:
     from pathlib import Path
 
     from jaxrag.errors import JaxragError
-    from jaxrag.models import hf
+    from jaxrag.models import gguf, hf
     from jaxrag.models.tokens import srrag_tokens
 
     path = str(cfg.model.path)
-    if path and Path(path).is_dir():
+    if (gguf_file := gguf.find_gguf(path)) is not None:  # its metadata, without reading the weights
+        hf_config = gguf.plain_config(transformers.AutoConfig.from_pretrained(str(gguf_file.parent),
+                                                                               gguf_file=gguf_file.name))
+    elif path and Path(path).is_dir():
         hf_config = hf.read_hf_config(Path(path))
     elif path in PAPER_ARCHS:
         hf_config = transformers.AutoConfig.for_model(**PAPER_ARCHS[path])
