@@ -75,7 +75,7 @@ class SRRAG:
 
         export_dir = Path(export_dir)
         spec = read_serving_spec(export_dir)
-        return cls(model=load_model(export_dir), datastore=PolicyDatastore.load(export_dir / DATASTORE_DIR),
+        return cls(model=load_model(export_dir, inference=True), datastore=PolicyDatastore.load(export_dir / DATASTORE_DIR),
                    retriever=Retriever.load(index or spec["index"], spec.get("encoder")),
                    tau=float(spec["tau"] if tau is None else tau), k=int(spec["k"] if k is None else k),
                    route_cfg=RouteConfig(**spec["route"]), n_passages=int(spec["n_passages"]))

@@ -72,6 +72,23 @@ def test_lora_forward_equals_merged_weights(base):
                                pure(base)["layers"]["mlp"]["w_up"][0] + 2.0 * a @ b, atol=1e-6)
 
 
+def test_inference_model_merges_adapters_once(base):
+    """`for_inference`: adapters merged into the weights (no adapter left), layers unstacked,
+    the adapted model's logits and greedy tokens; `host_params` gives training's layout back."""
+    from jaxrag.decode.sampler import generate
+    from jaxrag.models.model import for_inference, host_params
+
+    adapted = with_random_b(L.add_lora(base, 4, 8.0, ALL))
+    fast = for_inference(adapted)
+    assert fast.config.lora_rank == 0 and not any(L._is_lora(p) for p in flatten_dict(pure(fast)))
+    np.testing.assert_allclose(np.asarray(fast.logits(IDS)), np.asarray(adapted.logits(IDS)), atol=2e-5)
+    prompts = IDS.tolist()
+    assert generate(fast.decoder, prompts, 6) == generate(adapted.decoder, prompts, 6)
+    merged = flatten_dict(host_params(L.merge_lora(adapted).decoder))
+    assert {k: v.shape for k, v in flatten_dict(host_params(fast.decoder)).items()} == \
+        {k: v.shape for k, v in merged.items()}
+
+
 def test_bad_targets_are_refused(base):
     with pytest.raises(JaxragError, match=r"model.lora.targets=\['qkv'\]: choose among q, k, v, o"):
         L.add_lora(base, 4, 8.0, ["qkv"])

@@ -9,7 +9,7 @@ import pytest
 from jaxrag.decode.routing import RouteConfig, route
 from jaxrag.decode.sampler import generate
 from jaxrag.errors import JaxragError
-from jaxrag.models.model import add_special_tokens
+from jaxrag.models.model import add_special_tokens, for_inference
 from jaxrag.models.tokens import source_token
 from jaxrag.policies import always
 from jaxrag.policies.srrag import choose_source, policy_distribution, srrag_policy
@@ -65,6 +65,16 @@ def test_batched_rows_equal_separate_runs(model, datastore):
         assert r.latency["T_d"] > 0 and r.latency["T_g"] > 0
         assert ("T_r" in r.latency) == (r.source == "wiki") and ("T_v" in r.latency) == (r.source == "self")
         assert r.knowledge_truncated == (r.source == "self")  # 6 tokens never reach <EOK> here
+
+
+def test_inference_layout_routes_and_answers_alike(model, datastore):
+    """The model as inference loads it (`for_inference`) routes, verbalizes and answers as the
+    stacked model does: the same sources, knowledge and answers, p_M to float tolerance."""
+    policy = srrag_policy(datastore, tau=0.0)
+    want = route(model, QUESTIONS, policy, retrieve, CFG)
+    got = route(for_inference(model), QUESTIONS, policy, retrieve, CFG)
+    assert [(r.source, r.knowledge, r.answer) for r in got] == [(r.source, r.knowledge, r.answer) for r in want]
+    np.testing.assert_allclose([r.p_model for r in got], [r.p_model for r in want], atol=1e-5)
 
 
 def test_every_row_stops_at_its_stop_token(model):

@@ -68,8 +68,8 @@ PREFILL_CHUNK = 512
 def bucket(n: int, minimum: int = 8) -> int:
     """Padded length for n >= 1 tokens: the next power of two, or the next multiple of 128 where
     that is shorter (a 1,188-token prompt gets 1,280 slots, not 2,048): few compiled shapes, and
-    little padding read per step. Multiples of 128 above it are whole `PREFILL_CHUNK` chunks
-    plus one shorter chunk."""
+    little padding read per step. A prompt of such a length prefills in whole `PREFILL_CHUNK`
+    chunks and one shorter last chunk."""
     n = max(int(n), minimum)
     return min(1 << (n - 1).bit_length(), -(-n // 128) * 128)
 

@@ -20,6 +20,7 @@ layers, so XLA sees each weight and cache as an argument it reads in place. Slic
 of the stacked arrays, statically or not, makes XLA copy it before use (~3x the bytes moved per
 decode step). A stacked decoder given a cache runs the same loop over such slices: correct,
 with those copies.
+
 With `lora_rank` > 0 the projections named in `lora_targets` carry LoRA adapters (float32 A, B;
 `jaxrag.models.lora` adds, trains and merges them).
 """
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrag.models.kv_cache import KVCache, LayerCache, cached_attention
 from jaxrag.models.projection import project
 from jaxrag.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
@@ -148,38 +150,6 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
-class LayerCache(NamedTuple):
-    """One layer's keys and values, each a buffer of its own, updated in place per step. Rows
-    and KV heads share the leading axis: with one row, a separate batch axis of size 1 makes
-    XLA-CPU reshape the freshly written buffer for the matmuls and copy the layer's whole cache."""
-    k: jax.Array  # [batch * kv_heads, slots, head_dim]
-    v: jax.Array  # [batch * kv_heads, slots, head_dim]
-
-
-KVCache = tuple[LayerCache, ...]  # one per layer
-
-
-def cached_attention(q, cache: LayerCache, mask) -> jax.Array:
-    """q [b, t, heads, h] over a layer's cache (this chunk written) -> [b, t, heads, h]: what
-    `jax.nn.dot_product_attention` computes on XLA (float32 logits and softmax, the same mask),
-    as grouped-query matmuls that read the cache in place. The softmax is normalised after the
-    value matmul, on its small output: every pass over the [.., slots] scores is a read of
-    ~g/h of the cache's bytes per step."""
-    b, t, n, h = q.shape
-    kv = cache.k.shape[0] // b
-    g, f32 = n // kv, jnp.float32
-    qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * t, h)
-    logits = jnp.einsum("zqh,zsh->zqs", qg, cache.k.astype(q.dtype), preferred_element_type=f32)
-    logits = logits.reshape(b, kv, g, t, -1) * f32(1.0 / math.sqrt(h))
-    logits = jnp.where(mask[:, :, None], logits, f32(-0.7 * jnp.finfo(f32).max))  # mask [b, 1, t, s]
-    weights = jnp.exp(logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))).astype(q.dtype)
-    total = weights.astype(f32).sum(axis=-1)[..., None]  # [b, kv, g, t, 1]
-    out = jnp.einsum("zqs,zsh->zqh", weights.reshape(b * kv, g * t, -1), cache.v.astype(q.dtype),
-                     preferred_element_type=f32)
-    out = (out.reshape(b, kv, g, t, h) / total).astype(q.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-
-
 def attention_implementation(backend: str, dtype, head_dim: int, sliding_window: int | None,
                              query_len: int, key_len: int) -> str:
     """`jax.nn.dot_product_attention`'s implementation: cuDNN's fused (flash) kernel on GPUs for
@@ -235,7 +205,8 @@ class Attention(nnx.Module):
             cache = LayerCache(write(cache.k, k), write(cache.v, v))
             if impl == "xla":
                 out = cached_attention(q, cache, mask)
-            else:  # a long prefill chunk on cuDNN's fused kernel, which reads [b, s, kv, h]
+            else:  # a long prefill chunk on cuDNN's fused kernel, which reads [b, s, kv, h]: one
+                # transposed copy of the cache per chunk, small beside the chunk's matmuls
                 read = lambda buf: buf.reshape(q.shape[0], -1, *buf.shape[1:]).transpose(0, 2, 1, 3).astype(x.dtype)
                 out = jax.nn.dot_product_attention(q, read(cache.k), read(cache.v), mask=mask, implementation=impl)
         else:
