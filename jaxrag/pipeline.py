@@ -80,15 +80,15 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
     """(base model, the gates' record). SR-RAG assumes a model that can read a passage and can
     verbalize what it knows; a tiny model learns each on a knife edge, so the base must pass two
     gates, both on questions no dataset holds (never a test question):
-    - reading: seed 0's base read 0.39 of fresh-entity questions with the gold passage where
-      seeds 1 and 5407 read 0.90, and 300 more steps (also reading-heavy ones) left it at 0.37-0.40;
+    - reading: one base can read 0.39 of fresh-entity questions with the gold passage where others
+      read 0.90, and more steps (also reading-heavy ones) leave a failing base where it was;
       it is asked as the pipeline asks the base (`probe.fresh_reading`: `retrieval.n_passages`
       passages in the index's `(Title: T) text` lines, in the base prompt of construct and the
       untuned baselines; the routed `<EOQ><Wiki>` prompt is recorded beside it), since a base that
       read one gold passage in its own format could still fail on what retrieval hands it;
-    - verbalizing: seed 2253's base (2026-11-27) read 0.91 but its GenRead documents stated the
-      rule of 0.245 of fresh rule questions (other bases: 0.975-1.0), naming other categories'
-      rules, so its <Self> path fell to chance on ARC-Challenge.
+    - verbalizing: a base can read well (0.91) while its GenRead documents state the rule of only
+      a quarter of fresh rule questions (other bases: 0.975-1.0), naming other categories' rules,
+      so its <Self> path falls to chance on ARC-Challenge.
     A base that fails either is pretrained again from another initialisation and data order, up
     to `world_probe.attempts` runs in all; the one with the largest margin over both gates is kept."""
     from jaxrag.eval.probe import fresh_reading, fresh_rule_verbalization

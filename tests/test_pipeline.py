@@ -1,5 +1,5 @@
 """`python -m jaxrag.train` on a miniature embedded world: every stage's artifact, results.json
-in DESIGN.md §5's schema with the twelve methods, the export loading in transformers with the
+in the shared schema (docs/method.md) with the twelve methods, the export loading in transformers with the
 final model's logits, `stop_after`, and a rerun that skips finished stages."""
 
 import json
@@ -170,8 +170,8 @@ def test_export_is_the_final_model_in_transformers(workdir):
 def test_every_saved_model_tokenizes_as_the_world_tokenizer(workdir):
     """Models reloaded from disk (base, stage 1, stage 2) read text as pretraining did, years in
     passages included: under transformers 5 AutoTokenizer would build a tiny qwen2's tokenizer as
-    `Qwen2Tokenizer`, whose pre-tokenizer splits "1827" into digits (session 50: on one seed every
-    reloaded model read passages at ~0.1 where the pretrained one read 0.9)."""
+    `Qwen2Tokenizer`, whose pre-tokenizer splits "1827" into digits (a reloaded model then read
+    passages at ~0.1 where the pretrained one read 0.9)."""
     from tokenizers import Tokenizer
 
     reference = Tokenizer.from_file(str(workdir / "world" / "tokenizer" / "tokenizer.json"))
@@ -387,6 +387,6 @@ def test_base_gates_retry_from_a_new_init_and_keep_the_largest_margin(tmp_path, 
 
     check([0.9], [0.95], 3, 1, 0)  # passes both at once: one run
     check([0.3, 0.85], [1.0, 0.9], 3, 2, 1)  # second init reads: stop there
-    check([0.91, 0.85], [0.25, 0.9], 3, 2, 1)  # reads but does not verbalize (seed 2253): again
+    check([0.91, 0.85], [0.25, 0.9], 3, 2, 1)  # reads but does not verbalize: again
     check([0.5, 0.3, 0.4], [0.9, 0.9, 0.9], 3, 3, 0)  # none reads: margins -0.3, -0.5, -0.4
     check([0.95, 0.6, 0.9], [0.2, 0.9, 0.65], 3, 3, 2)  # margins -0.5, -0.2, -0.05: the last

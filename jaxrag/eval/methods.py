@@ -1,4 +1,4 @@
-"""The `eval` stage: the twelve methods of DESIGN.md §5 on the evaluation sets -> `W/results.json`,
+"""The `eval` stage: the twelve methods of docs/method.md on the evaluation sets -> `W/results.json`,
 `W/report.md` and `W/plots/`, under the paper's protocol.
 
 Methods are data (`METHODS`: name -> whose knowledge paths, which decision rule); one loop runs

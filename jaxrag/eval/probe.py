@@ -184,7 +184,7 @@ def _generate_ids(model, prompts: list[list[int]], max_new: int = 6, batch_size:
 
 
 def chain_knowledge(model, world, n: int, verbal_tokens: int, rng: random.Random) -> dict:
-    """Chain questions (world version 3) about head subjects: answered directly
+    """Chain questions about head subjects: answered directly
     (`closed_book_chain`), whether a greedy GenRead document states the answer
     (`genread_chain`), and answered from that document (`chain_after_verbalizing`): the world's
     knowledge usable only after verbalizing it shows as the last far above the first."""

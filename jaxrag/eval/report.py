@@ -1,13 +1,13 @@
 """The eval stage's human-readable output: `report.md` laid out like the paper's tables, and plots.
 
-Input is the results dict of `results.json` (DESIGN.md §5). Tables follow the paper: Table 1 (ACC
+Input is the results dict of `results.json` (docs/method.md, shared formats). Tables follow the paper: Table 1 (ACC
 and % RAG per dataset, then the average and latency per item), Table 2 (source-selection accuracy
 and AUROC), Table 3 (SR-RAG against its ablations), the construct stage's Table 5-style
 statistics, and the run's config. Plots: average accuracy against % retrieval for every method,
 and Figure 4's latency-accuracy trade-off along SR-RAG's tau sweep.
 
 Rendering is pure (dict -> str) so it can be tested and re-run on an old `results.json`; files are
-written to a temp path and renamed, as every artifact of the pipeline is (DESIGN.md §3).
+written to a temp path and renamed, as every artifact of the pipeline is (docs/pipeline.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python -m jaxrag.eval.seeds W [W ...] [--json OUT]
 
-Each W is a finished workdir or a `results.json` itself (the README's runs are kept in
+Each W is a finished workdir or a `results.json` itself (the kept runs are in
 `results/embedded/`, so its pooled tables can be recomputed without the workdirs).
 
 One pipeline's bootstrap intervals resample its test questions, not its training, and retraining

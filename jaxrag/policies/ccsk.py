@@ -1,4 +1,4 @@
-"""CCSK (Lu, Lv & Chen, seeds/ccsk-paper.txt): retrieve-or-not from two signals fused by attention.
+"""CCSK (Lu, Lv & Chen; docs/method.md): retrieve-or-not from two signals fused by attention.
 
 - SN (§3.2, Eq. 1-2): cosine similarity of the query to labelled historical queries; F_SN = share
   of the top-K = 5 that needed retrieval; F_SN = 1 (retrieve) when even the best match is below

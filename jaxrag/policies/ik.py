@@ -1,4 +1,4 @@
-"""IK ("I Know", Déjean 2024, seeds/ik-classifier-summary.txt): a classifier, trained on judge
+"""IK ("I Know", Déjean 2024, arXiv:2412.11536): a classifier, trained on judge
 labels "the untuned model answers this question correctly closed-book", reads the question plus
 the model's first 32 generated answer tokens and predicts P(know); retrieve iff P(know) < threshold.
 

@@ -1,4 +1,4 @@
-"""SeaKR's self-aware retrieval trigger (Yao et al. 2024, seeds/seakr-summary.txt): sample k = 20
+"""SeaKR's self-aware retrieval trigger (Yao et al. 2024, arXiv:2406.19215): sample k = 20
 closed-book generations, take the middle-layer hidden state at each generation's end token, and
 measure how dispersed they are; retrieve iff the uncertainty exceeds a threshold.
 
