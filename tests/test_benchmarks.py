@@ -26,9 +26,11 @@ def test_decode_writes_the_contract_and_matches_transformers(tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert [r["batch"] for r in result["results"]] == [1, 3]
     for row in result["results"]:
-        assert {"batch", "jaxrag_tok_s", "hf_tok_s", "identical"} <= set(row)
+        assert {"batch", "jaxrag_tok_s", "hf_tok_s", "identical", "step_bytes_accessed", "step_argument_bytes",
+                "bytes_ratio"} <= set(row)
         assert row["identical"] and row["teacher_forced_match"] == 1.0
         assert row["jaxrag_tok_s"] > 0 and row["hf_tok_s"] > 0
+        assert row["bytes_ratio"] == round(row["step_bytes_accessed"] / row["step_argument_bytes"], 4)
 
 
 def test_train_writes_the_contract(tmp_path):
