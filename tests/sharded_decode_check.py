@@ -1,6 +1,6 @@
 """Run in a subprocess with 8 fake CPU devices (see test_decode_sharded.py): greedy generation
-on meshes (8,1,1), (2,2,2) and (1,2,4), and routed inference on (2,2,2), equal the single-device
-results."""
+on meshes (8,1,1), (2,2,2) and (1,2,4), in training's stacked layout and in the inference
+layout (`for_inference`), and routed inference on (2,2,2), equal the single-device results."""
 
 import os
 import sys
@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 
 import jaxrag  # noqa: E402
 from jaxrag.decode.routing import RouteConfig, route  # noqa: E402
-from jaxrag.models.model import add_special_tokens  # noqa: E402
+from jaxrag.models.model import add_special_tokens, for_inference  # noqa: E402
 from jaxrag.policies.srrag import srrag_policy  # noqa: E402
 from jaxrag.decode.sampler import generate, shard_decoder  # noqa: E402
 from jaxrag.sharding import make_mesh  # noqa: E402
@@ -29,8 +29,9 @@ if __name__ == "__main__":
     want = generate(model.decoder, PROMPTS, 10)
     for shape in ((8, 1, 1), (2, 2, 2), (1, 2, 4)):
         mesh = make_mesh(dict(zip(("data", "fsdp", "tensor"), shape)))
-        got = generate(shard_decoder(model.decoder, mesh), PROMPTS, 10, mesh=mesh)
-        assert got == want, (shape, got, want)
+        for decoder in (model.decoder, for_inference(model).decoder):
+            got = generate(shard_decoder(decoder, mesh), PROMPTS, 10, mesh=mesh)
+            assert got == want, (shape, got, want)
     print("sharded generation ok")
 
     # Routed inference: Self and Wiki rows in one batch, split over the mesh.
