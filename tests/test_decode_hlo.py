@@ -40,7 +40,8 @@ def hlo_problems(compiled, args) -> list[str]:
         m = re.match(r"\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]\S* (copy|slice|dynamic-slice|transpose)\(", line)
         if m and _core(int(d) for d in m.group(2).split(",") if d) in big:
             problems.append(f"{m.group(3)} {m.group(1)} [{m.group(2)}]")
-    aliased = {int(p) for p in re.findall(r"\{[\d,]*\}: \((\d+), \{[\d,]*\}, (?:may|must)-alias\)", text.splitlines()[0])}
+    header = text.splitlines()[0]  # HloModule ..., input_output_alias={ {out}: (param, {}, may-alias), ... }
+    aliased = {int(p) for p in re.findall(r"\{[\d,]*\}: \((\d+), \{[\d,]*\}, (?:may|must)-alias\)", header)}
     caches = re.findall(r"%(st_cache\S*) = \S+ parameter\((\d+)\)", text)
     if len(caches) != 2 * CFG.num_layers:
         problems.append(f"expected {2 * CFG.num_layers} cache parameters, found {len(caches)}")

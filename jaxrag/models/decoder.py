@@ -409,7 +409,7 @@ class Decoder(nnx.Module):
             if remat != "none":
                 scanned = jax.checkpoint(scanned, policy=REMAT_POLICIES[remat], prevent_cse=False)
             carry, _ = jax.lax.scan(scanned, carry, (jnp.arange(cfg.num_layers), stacked))
-        else:  # generation (no backward pass, so no remat): each layer's own weights and cache, read in place
+        else:  # a cache, or the inference layout: each layer's own weights (and cache), no remat
             new_cache = []
             for i, block in enumerate(layer_views(self.layers, cfg.num_layers)):
                 carry, kv = layer(carry, (i, block, None if cache is None else cache[i]))
