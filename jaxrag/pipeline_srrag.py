@@ -61,11 +61,13 @@ def eval_items(cfg: ConfigDict, workdir: Path) -> tuple[list, list]:
             dataset_items(cfg, workdir, cfg.data.eval, "test"))
 
 
-def load(cfg: ConfigDict, path: Path):
+def load(cfg: ConfigDict, path: Path, inference: bool = False):
+    """A saved model at the config's dtypes; `inference=True`: LoRA merged and layers unstacked
+    once, for the stages that only generate and score (`models.model.for_inference`)."""
     from jaxrag.models.lora import weights_dtype
     from jaxrag.models.model import load_model
 
-    return load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg))
+    return load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg), inference=inference)
 
 
 def retriever(cfg: ConfigDict, workdir: Path):
@@ -80,7 +82,7 @@ def construct_stage(cfg: ConfigDict, workdir: Path) -> Path:
     from jaxrag.data.construct import construct
 
     r = retriever(cfg, workdir)
-    return construct(load(cfg, workdir / "base"), dataset_items(cfg, workdir, cfg.data.train, "train"),
+    return construct(load(cfg, workdir / "base", inference=True), dataset_items(cfg, workdir, cfg.data.train, "train"),
                      r.retrieve_texts, r.encoder, cfg.construct, workdir / "construct", rng_seed=int(cfg.seed),
                      max_length=int(cfg.model.max_length))
 
@@ -176,7 +178,7 @@ def preferred_sources(model, records: list[dict], cfg: ConfigDict) -> tuple[np.n
 def build_policy_datastore(cfg: ConfigDict, model_dir: Path, records: list[dict], out: Path) -> Path:
     from jaxrag.retrieval.datastore import build_datastore
 
-    model = load(cfg, model_dir)
+    model = load(cfg, model_dir, inference=True)
     layers = model.decoder.cfg.num_layers
     if not 1 <= int(cfg.model.datastore_layer) <= layers:
         raise JaxragError(f"model.datastore_layer={cfg.model.datastore_layer}: {model_dir} has {layers} layers; "

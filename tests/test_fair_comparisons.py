@@ -14,7 +14,7 @@ from jaxrag.data.schema import QAExample
 from jaxrag.errors import JaxragError
 from jaxrag.eval import latency, stats
 from jaxrag.eval.harness import Decision, Paths
-from jaxrag.eval.phases import charge_phases
+from jaxrag.decode.phases import charge_phases
 from jaxrag.models.tokens import NONE, SELF, WIKI
 from jaxrag.policies import PolicyDecision, source_probabilities
 
@@ -233,8 +233,6 @@ def test_router_inputs_read_what_route_reads(route_model):
     assert (got.p_model.sum(axis=1) < 1).all()
 
 
-@pytest.mark.xfail(strict=True, reason="routing.py still renormalises p_M over the source tokens; "
-                                       "remove this mark when route() calls policies.source_probabilities")
 def test_route_reads_p_model_as_source_probabilities(route_model):
     from jaxrag.decode.routing import RouteConfig, route
     from jaxrag.policies import always, router_inputs

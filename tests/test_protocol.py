@@ -215,15 +215,16 @@ def test_mixed_batch_latency_with_an_injected_clock(route_model, monkeypatch):
     retrieve = lambda qs: [[f"passage on {q}"] for q in qs]  # noqa: E731
     cfg = RouteConfig(hidden_layer=1, max_verbal_tokens=4, max_answer_tokens=3)
     latency.route_items(route_model, items, policy, retrieve, cfg, 4, "compile")  # the clock below times one run
-    ticks = iter([0, 1, 1, 1.5, 2, 6, 6, 8, 8, 10])  # select, policy, verbalize, retrieve, answer
+    # select, policy, append the source tokens (T_d), verbalize, retrieve, answer
+    ticks = iter([0, 1, 1, 1.5, 2, 2.5, 2.5, 6, 6, 8, 8, 10])
     monkeypatch.setattr(routing, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     routed = latency.route_items(route_model, items, policy, retrieve, cfg, 4, "test")
-    want = [1.5 / 4 + 2 / 3 + 2 / 4, 1.5 / 4 + 4 / 1 + 2 / 4, 1.5 / 4 + 2 / 3 + 2 / 4, 1.5 / 4 + 2 / 3 + 2 / 4]
+    want = [2 / 4 + 2 / 3 + 2 / 4, 2 / 4 + 3.5 / 1 + 2 / 4, 2 / 4 + 2 / 3 + 2 / 4, 2 / 4 + 2 / 3 + 2 / 4]
     assert [latency.item_seconds(r) for r in routed] == pytest.approx(want)
     assert [r.source for r in routed] == [WIKI, SELF, WIKI, WIKI]
     s = latency.summarize(items, routed)
     assert s["latency_s"] == pytest.approx(np.mean(want)) and s["rag_frac"] == 0.75
-    assert s["phases"]["T_v"] == pytest.approx(4 / 4) and s["phases"]["T_r"] == pytest.approx(3 * (2 / 3) / 4)
+    assert s["phases"]["T_v"] == pytest.approx(3.5 / 4) and s["phases"]["T_r"] == pytest.approx(3 * (2 / 3) / 4)
 
 
 def test_latency_questions_are_the_first_of_each_set():

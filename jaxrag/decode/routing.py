@@ -25,9 +25,10 @@ import numpy as np
 from jaxrag.decode.sampler import (SamplingParams, batch_rows, bucket, decode, extend, init_state, left_pad,
                                    on_mesh, stop_matrix)
 from jaxrag.errors import JaxragError
+from jaxrag.decode.phases import charge_phases
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import EOK, NONE, SELF, source_token
-from jaxrag.policies import Policy, PolicyInputs
+from jaxrag.policies import Policy, PolicyInputs, source_probabilities
 from jaxrag.prompts import answer_prefix_ids, join_passages, knowledge_ids, prompt_ids
 
 Retrieve = Callable[[list[str]], list[list[str]]]  # questions -> passages per question
@@ -103,19 +104,25 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         return extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh), hidden_layer=cfg.hidden_layer)
 
     (state, hidden), t_d = timed(select)
-    p_src = np.asarray(jax.nn.softmax(state.logits[:n][:, np.asarray(src_ids)], axis=-1), np.float64)
+    p_src = source_probabilities(state.logits[:n], src_ids)
     start = time.perf_counter()
     decision = policy(PolicyInputs(list(questions), sources, p_src, np.asarray(hidden[:n])))
     t_d += time.perf_counter() - start
     chosen = [sources[i] for i in np.asarray(decision.source)]
 
-    # T_v: append each row's source token; Self rows verbalize up to <EOK> (or EOS).
-    def verbalize():
+    # Appending each row's source token ends source selection: T_d, every row.
+    def append_source():
         ids, mask = left_pad([[src_ids[sources.index(s)]] for s in chosen], 1, batch)
-        st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
+        return extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))[0]
+
+    state, t_s = timed(append_source)
+    t_d += t_s
+
+    # T_v: Self rows verbalize up to <EOK> (or EOS).
+    def verbalize():
         budget = np.zeros(batch, np.int32)
         budget[:n] = [cfg.max_verbal_tokens if s == SELF else 0 for s in chosen]
-        return decode(dec, st, on_mesh(stop_matrix([[eok, *eos]] * n, batch), mesh), on_mesh(budget, mesh),
+        return decode(dec, state, on_mesh(stop_matrix([[eok, *eos]] * n, batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
 
     (state, verbal, verbal_len, verbal_stopped), t_v = timed(verbalize)
@@ -151,21 +158,20 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     answers, answer_len = np.asarray(answers), np.asarray(answer_len)
 
     out = []
-    n_self = max(1, n - len(wiki_rows))
+    charged = charge_phases({"T_d": t_d, "T_v": t_v, "T_r": t_r, "T_g": t_g}, chosen)
     for i, q in enumerate(questions):
         if chosen[i] == NONE:
-            knowledge, phase = "", {}
+            knowledge = ""
         elif chosen[i] != SELF:
-            knowledge, phase = join_passages(passages[i]), {"T_r": t_r / len(wiki_rows)}
+            knowledge = join_passages(passages[i])
         else:
             knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok and t not in eos]).strip()
-            phase = {"T_v": t_v / n_self}
         text = tok.decode([t for t in answers[i, : answer_len[i]] if t not in eos], skip_special_tokens=True)
         out.append(Routed(
             question=q, source=chosen[i], p_model=p_src[i].tolist(),
             p_datastore=None if decision.p_datastore is None else np.asarray(decision.p_datastore[i]).tolist(),
             score=None if decision.score is None else float(decision.score[i]),
             knowledge=knowledge, answer=text.strip(), knowledge_truncated=chunks[i][1],
-            latency={"T_d": t_d / n, **phase, "T_g": t_g / n},
+            latency=charged[i],
         ))
     return out

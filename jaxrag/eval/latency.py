@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from jaxrag.decode.routing import RouteConfig, Routed, route
 from jaxrag.eval.harness import Decision, Item, Paths, questions_of, without_compiles
 from jaxrag.eval.metrics import score_prediction
-from jaxrag.eval.phases import charge_phases
+from jaxrag.decode.phases import charge_phases
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import SELF, WIKI
 from jaxrag.policies import Policy

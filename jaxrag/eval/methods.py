@@ -203,7 +203,7 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
                                                    f"{m.name} latency"), untuned, d, idx)
     val_scores = {}  # model -> its routing score on the validation questions (Figure 4, matched % retrieval)
     for key, (model_dir, store) in MODELS.items():
-        model = load(cfg, workdir / model_dir)
+        model = load(cfg, workdir / model_dir, inference=True)
         t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths"))
         nb = None if store is None else srrag_policies.datastore_neighbours(
             PolicyDatastore.load(workdir / store), int(cfg.inference.k))

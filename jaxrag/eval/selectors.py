@@ -58,7 +58,7 @@ class SeedSelectors:
         from jaxrag.pipeline_srrag import construct_records, dataset_items, load, retriever
 
         b, seed = cfg.baselines, int(cfg.seed)
-        base, encoder = load(cfg, workdir / "base"), retriever(cfg, workdir).encoder
+        base, encoder = load(cfg, workdir / "base", inference=True), retriever(cfg, workdir).encoder
         train_items = dataset_items(cfg, workdir, cfg.data.train, "train")
         train = stratified_sample(train_items, int(b.max_train_questions), seed)
         questions = [ex.prompt_question() for _, ex in train]

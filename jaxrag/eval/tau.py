@@ -56,7 +56,8 @@ def validation_scores(workdir: Path) -> dict[str, tuple]:
     for rule, (key, knn) in RULES.items():
         model_dir, store = MODELS[key]
         if key not in paths:
-            paths[key] = harness.routed_paths(load(cfg, workdir / model_dir), val, cache, rc, bs, f"{key} validation")
+            model = load(cfg, workdir / model_dir, inference=True)
+            paths[key] = harness.routed_paths(model, val, cache, rc, bs, f"{key} validation")
         nb = srrag_policies.datastore_neighbours(PolicyDatastore.load(workdir / store), int(cfg.inference.k)) \
             if knn else None
         out[rule] = (paths[key], harness.decide(srrag_policies.srrag_policy(nb, 0.0), paths[key], bs).score)
