@@ -4,31 +4,14 @@ import json
 import sys
 import types
 
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from data_files import jsonl, parquet, tsv
 
 from jaxrag.config import TRAIN_DATASETS, paper_config
 from jaxrag.data import loaders
 from jaxrag.data.check import check_data, fit_counts
 from jaxrag.errors import JaxragError
 from jaxrag.pipeline_srrag import dataset_items, eval_items
-
-
-def jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def parquet(path, rows):
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def tsv(path, rows):
-    pd.DataFrame(rows).to_csv(path, sep="\t", index=False)
-    return path
 
 
 def mc(i, labels="ABCD"):

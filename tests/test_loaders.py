@@ -2,29 +2,12 @@
 
 import json
 
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from data_files import jsonl, parquet, tsv
 
 from jaxrag.data.loaders import DATASETS, load_dataset_examples
 from jaxrag.data.schema import QAExample, read_examples, write_examples
 from jaxrag.errors import JaxragError
-
-
-def jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def parquet(path, rows):
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def tsv(path, rows):
-    pd.DataFrame(rows).to_csv(path, sep="\t", index=False)
-    return path
 
 
 def test_registry_names_the_papers_ten_datasets():
