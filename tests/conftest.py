@@ -36,3 +36,13 @@ def tiny_hf(tmp_path_factory):
         return cache[variant]
 
     return get
+
+
+# The longest modules start first: with `--dist loadfile` a module runs whole on one worker, in
+# collection order, so one that starts last leaves the other worker idle while it runs.
+LONGEST_FIRST = ("test_real_path.py", "test_pipeline.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
