@@ -10,7 +10,8 @@ MFU), bytes read / (HBM bandwidth x MFU)) on N devices (decode steps are bandwid
 A program fits when its peak is within the usable memory (device memory x the fraction JAX may
 allocate, 75% by default as JAX's preallocation) less `--headroom` (10%). Exits 2 with one line
 per program that does not fit, naming settings that would make it fit. The pipeline runs the
-same check (`check_fit`) on accelerators before its first training or generation stage.
+same check (`check_fit`) before its first training or generation stage: against device memory
+on accelerators, host memory on CPU.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Sizing the pipeline's programs: compile, read XLA's memory analysis, estimate time, and the
-fit check the pipeline runs on accelerators (`check_fit`). The CLI is `jaxrag.plan`."""
+fit check the pipeline runs before its decoder stages (`check_fit`). The CLI is `jaxrag.plan`."""
 
 from __future__ import annotations
 
