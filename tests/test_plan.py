@@ -152,3 +152,35 @@ def test_gpu_path_gets_the_causal_padding_segment_mask(monkeypatch):
     for mask, implementation in calls:
         assert implementation == "cudnn"
         np.testing.assert_array_equal(mask, want)
+
+
+def test_the_fit_check_runs_on_cpu_against_host_memory(tiny_hf, monkeypatch):
+    """The pipeline's preflight on a CPU backend: the run's programs, compiled at the dtypes the
+    CPU runs, against host memory; too little refuses with the settings to change."""
+    from jaxrag import plan_fit
+    from jaxrag.config import paper_config
+    from jaxrag.errors import JaxragError
+
+    _, hf_dir, _ = tiny_hf("qwen2")
+    cfg = paper_config("qwen2")
+    cfg.model.path, cfg.model.max_length = str(hf_dir), 64
+    for section in (cfg.stage1, cfg.stage2):
+        section.update(batch_size=4, per_device_batch_size=4)
+    cfg.mesh.update(data=-1, fsdp=1)
+    measured = {}
+    real_measure = plan_fit.measure
+
+    def spy(cfg, devices, *args, **kw):
+        measured["dtype"], measured["devices"] = cfg.model.dtype, len(devices)
+        measured["rows"] = real_measure(cfg, devices, *args, **kw)
+        return measured["rows"]
+
+    monkeypatch.setattr(plan_fit, "measure", spy)
+    monkeypatch.setattr(plan_fit, "host_memory_gb", lambda: 64.0)
+    plan_fit.check_fit(cfg)  # fits: nothing raised
+    assert measured["dtype"] == "float32" and measured["devices"] == jax.device_count()
+    smallest = min(r.peak_gb for r in measured["rows"])
+    monkeypatch.setattr(plan_fit, "host_memory_gb", lambda: smallest / 2)
+    with pytest.raises(JaxragError, match=r"would run out of host memory \(jaxrag.plan\):\n  stage1 step: .* GB per "
+                                          r"device > .* GB usable; try --config.stage1.per_device_batch_size=2"):
+        plan_fit.check_fit(cfg)
