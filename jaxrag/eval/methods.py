@@ -31,7 +31,6 @@ import json
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
 from ml_collections import ConfigDict
 
@@ -219,9 +218,6 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
         if key == "srrag" and val:
             ev.results["figure4"] = figure4_points(cfg, model, t_paths, ev, nb, real_retrieve, idx, val_scores["srrag"])
         del model
-        # Each model's programs stay compiled in memory otherwise (a real model's unrolled layers:
-        # about 1 GB per model); the persistent compilation cache brings back any needed again.
-        jax.clear_caches()
     if {"srrag", "selective"} <= set(val_scores) and "selective_rag" in ev.decisions:
         ev.results["selective_rag_at_srrag_retrieval"] = matched_retrieval(
             val_scores["srrag"], ev.thresholds["srrag"], val_scores["selective"], *ev.decisions["selective_rag"])
