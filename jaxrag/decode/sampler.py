@@ -109,6 +109,19 @@ def extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer: int | 
     return _extend(decoder, state, ids, mask, hidden_layer)
 
 
+def prefill_last(decoder: Decoder, sequences: Sequence[Sequence[int]], hidden_layer: int, max_rows: int):
+    """One left-padded prefill per chunk of `max_rows` sequences, nothing decoded after it: yields
+    (rows in the chunk, the state, whose logits are at each row's last token, and `hidden_layer`'s
+    state there). Shapes are bucketed, so a run compiles a few programs."""
+    for start in range(0, len(sequences), max_rows):
+        chunk = sequences[start:start + max_rows]
+        rows, length = bucket(len(chunk), 1), bucket(max(map(len, chunk)))
+        ids, mask = left_pad(chunk, length, rows)
+        state, hidden = extend(decoder, init_state(decoder, rows, length), jnp.asarray(ids), jnp.asarray(mask),
+                               hidden_layer=hidden_layer)
+        yield len(chunk), state, hidden
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.Array:
     """logits [batch, vocab] -> token ids [batch]."""
     if sampling.temperature == 0.0:

@@ -65,23 +65,16 @@ def router_inputs(model, questions: list[str], hidden_layer: int, batch_size: in
     """What `route()` hands a policy, without decoding anything after `<EOQ>`: one prefill of
     `Question: q Background knowledge:<EOQ>` per batch -> p_M (`source_probabilities`) and the
     hidden state of `hidden_layer` at `<EOQ>`. For choosing thresholds on validation questions."""
-    import jax.numpy as jnp
-
-    from jaxrag.decode.sampler import bucket, extend, init_state, left_pad
+    from jaxrag.decode.sampler import prefill_last
     from jaxrag.models.tokens import source_token
     from jaxrag.prompts import prompt_ids
 
     if not questions:
         raise JaxragError("router_inputs: no questions")
     src_ids = [model.token_id(source_token(s)) for s in model.sources]
-    prompts = prompt_ids(model.tokenizer, list(questions))
     p_model, hidden = [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        rows, length = bucket(len(chunk), 1), bucket(max(map(len, chunk)))
-        ids, mask = left_pad(chunk, length, rows)
-        state, h = extend(model.decoder, init_state(model.decoder, rows, length), jnp.asarray(ids),
-                          jnp.asarray(mask), hidden_layer=hidden_layer)
-        p_model.append(source_probabilities(state.logits[:len(chunk)], src_ids))
-        hidden.append(np.asarray(h[:len(chunk)], np.float32))
+    for n, state, h in prefill_last(model.decoder, prompt_ids(model.tokenizer, list(questions)), hidden_layer,
+                                    batch_size):
+        p_model.append(source_probabilities(state.logits[:n], src_ids))
+        hidden.append(np.asarray(h[:n], np.float32))
     return PolicyInputs(list(questions), tuple(model.sources), np.concatenate(p_model), np.concatenate(hidden))

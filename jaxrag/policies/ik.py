@@ -19,20 +19,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from jaxrag.decode.sampler import (
-    SamplingParams,
-    bucket,
-    extend,
-    generate,
-    init_state,
-    left_pad,
-)
+from jaxrag.decode.sampler import SamplingParams, generate, prefill_last
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
 from jaxrag.policies import Policy, PolicyDecision, PolicyInputs
@@ -85,15 +77,9 @@ def last_token_states(model: Model, sequences: Sequence[Sequence[int]], layer: i
     logits leave the device. Shapes are bucketed, so a run compiles a few programs."""
     if any(len(s) == 0 for s in sequences):
         raise JaxragError("last_token_states: empty sequence")
-    out = np.empty((len(sequences), model.config.hidden_size), np.float32)
-    for start in range(0, len(sequences), max_rows):
-        chunk = sequences[start:start + max_rows]
-        rows, length = bucket(len(chunk), 1), bucket(max(map(len, chunk)))
-        ids, mask = left_pad(chunk, length, rows)
-        _, hidden = extend(model.decoder, init_state(model.decoder, rows, length), jnp.asarray(ids),
-                           jnp.asarray(mask), hidden_layer=layer)
-        out[start:start + len(chunk)] = np.asarray(hidden[:len(chunk)], np.float32)
-    return out
+    states = [np.asarray(hidden[:n], np.float32) for n, _, hidden in
+              prefill_last(model.decoder, sequences, layer, max_rows)]
+    return np.concatenate(states) if states else np.empty((0, model.config.hidden_size), np.float32)
 
 
 def middle_layer(model: Model) -> int:
