@@ -3,14 +3,14 @@
     python -m benchmarks.fit --config configs/qwen.py [--config.x=y ...] --json OUT [--only NAME,NAME] [--steps 2]
 
 `python -m jaxrag.plan` sizes the programs from XLA's analysis of an AOT compile; this runs them.
-Every program of `jaxrag.plan_programs` (or those in `--only`) is compiled on the real devices
+Every program of `jaxrag.plan.programs` (or those in `--only`) is compiled on the real devices
 (the config's mesh over all of them) and called on random weights and inputs of its real shapes
 and dtypes (nothing downloaded): one warm-up call, then `--steps` timed calls, fresh arguments
 for each (a train step donates its state). Each program runs in a process of its own, so the
 allocator's peak (`memory_stats()["peak_bytes_in_use"]`, the most any device held: arguments,
 temporaries and outputs) is that program's alone. Per program: XLA's estimate on this backend,
 the measured peak, the allocator's limit, seconds per call (median), tokens/s, and the MFU by
-the model's FLOP count (the plan's) against the device's dense bf16 peak (`plan_fit.ACCELERATORS`).
+the model's FLOP count (the plan's) against the device's dense bf16 peak (`jaxrag.plan.fit.ACCELERATORS`).
 A program that runs out of device memory is recorded as such. CPUs have no allocator statistics
 (measured peak null); there it checks that the programs run.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxrag.cli import ConfigFlag, run
-from jaxrag.errors import JaxragError
+from jaxrag.errors import JaxragError, run
+from jaxrag.pipeline.cli import ConfigFlag
 
 _CONFIG = ConfigFlag()
 _JSON = flags.DEFINE_string("json", None, "write the result here (JSON)", required=True)
@@ -64,8 +64,8 @@ def run_program(cfg, name: str, steps: int) -> dict:
     import jax
 
     from jaxrag import sharding
-    from jaxrag.plan_fit import ACCELERATORS, accelerator_of
-    from jaxrag.plan_programs import pipeline_programs
+    from jaxrag.plan.fit import ACCELERATORS, accelerator_of
+    from jaxrag.plan.programs import pipeline_programs
 
     devices = jax.devices()
     found = {p.name: p for p in pipeline_programs(cfg, sharding.make_mesh(cfg.mesh, devices))}
@@ -138,7 +138,7 @@ def fit(cfg, out: Path, only: list[str], steps: int) -> None:
                          "devices": jax.device_count(), "jax": jax.__version__,
                          "programs": [run_program(cfg, only[0], steps)]})
         return
-    from jaxrag.plan_programs import PROGRAMS
+    from jaxrag.plan.programs import PROGRAMS
 
     result = {"config": cfg.model.path, "lora_rank": int(cfg.model.get("lora", {}).get("rank", 0)),
               "remat": cfg.model.get("remat", "none"), "steps": steps, "programs": []}

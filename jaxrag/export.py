@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from jaxrag.cli import run
-from jaxrag.errors import JaxragError
+from jaxrag.errors import JaxragError, run
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -36,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     def export():
+        # jax and transformers load once the command runs: --help and argument errors stay instant
         from jaxrag.models.model import export_hf, load_model
         from jaxrag.models.peft_export import export_adapter
 

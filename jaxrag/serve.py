@@ -22,6 +22,10 @@ from pathlib import Path
 
 from jaxrag.decode.routing import RouteConfig, Routed, route
 from jaxrag.errors import JaxragError
+from jaxrag.models.model import load_model
+from jaxrag.policies.srrag import datastore_neighbours, srrag_policy
+from jaxrag.retrieval.datastore import PolicyDatastore
+from jaxrag.retrieval.retriever import Retriever
 
 SERVING_FILE = "srrag.json"
 DATASTORE_DIR = "policy_datastore"
@@ -69,10 +73,6 @@ class SRRAG:
     def load(cls, export_dir: str | os.PathLike, *, index: str | os.PathLike | None = None,
              tau: float | None = None, k: int | None = None) -> SRRAG:
         """`index` overrides the passage index recorded at export (e.g. on another machine)."""
-        from jaxrag.models.model import load_model
-        from jaxrag.retrieval.datastore import PolicyDatastore
-        from jaxrag.retrieval.retriever import Retriever
-
         export_dir = Path(export_dir)
         spec = read_serving_spec(export_dir)
         return cls(model=load_model(export_dir, inference=True), datastore=PolicyDatastore.load(export_dir / DATASTORE_DIR),
@@ -82,8 +82,6 @@ class SRRAG:
 
     def ask(self, questions: Sequence[str]) -> list[Routed]:
         """Routes, verbalizes or retrieves, and answers the questions (one batch, one pass)."""
-        from jaxrag.policies.srrag import datastore_neighbours, srrag_policy
-
         policy = srrag_policy(datastore_neighbours(self.datastore, self.k), self.tau)
         return route(self.model, list(questions), policy, lambda qs: self.retriever.retrieve_texts(qs, self.n_passages),
                      self.route_cfg)

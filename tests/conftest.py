@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
-from jaxrag.cli import reuse_cpu_temporaries  # noqa: E402
+from jaxrag.pipeline.cli import reuse_cpu_temporaries  # noqa: E402
 
 reuse_cpu_temporaries()  # as `python -m jaxrag.train` does: before jax loads (trainer tests ~20% faster)
 import pytest  # noqa: E402

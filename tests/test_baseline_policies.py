@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrag.decode.policy import PolicyInputs
 from jaxrag.decode.sampler import generate
-from jaxrag.policies import PolicyInputs
 from jaxrag.policies.ccsk import (
     ccsk_decide,
     ccsk_inputs,

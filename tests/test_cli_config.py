@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxrag import config_check, pipeline
-from jaxrag.config import paper_config, tiny_config
 from jaxrag.errors import JaxragError
+from jaxrag.pipeline import config_check
+from jaxrag.pipeline import run as pipeline
+from jaxrag.pipeline.config import paper_config, tiny_config
 
 REPO = Path(__file__).parent.parent
 
@@ -87,7 +88,7 @@ def test_defaults_a_mode_ignores_are_not_errors():
 
 def test_a_config_file_that_sets_an_unread_field_is_refused(tmp_path):
     """Fields a config file changes against the shipped config count as set by the user."""
-    (tmp_path / "mine.py").write_text("from jaxrag.config import tiny_config\n\ndef get_config():\n"
+    (tmp_path / "mine.py").write_text("from jaxrag.pipeline.config import tiny_config\n\ndef get_config():\n"
                                       "    cfg = tiny_config('qwen2')\n    cfg.data.paths.nq = '/data/nq.jsonl'\n"
                                       "    return cfg\n")
     proc = train_cli(tmp_path, str(tmp_path / "mine.py"))
@@ -113,7 +114,7 @@ def test_the_python_api_refuses_the_same_mistakes(tmp_path):
 
 _FAULTS = """
 import resource, sys
-from jaxrag.cli import reuse_cpu_temporaries
+from jaxrag.pipeline.cli import reuse_cpu_temporaries
 print(reuse_cpu_temporaries() if sys.argv[1] == "tune" else False)
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: (lambda y: (y @ y[:8].T).sum())(jnp.exp(x)))  # y: a 64 MB temporary
@@ -139,6 +140,6 @@ def test_cpu_temporaries_are_reused_not_faulted_in_per_call():
     assert out["tune"][0] == "True" and out["plain"][0] == "False"
     assert int(out["plain"][1]) == 30
     assert int(out["tune"][1]) <= 10
-    cuda = subprocess.run([sys.executable, "-c", "from jaxrag.cli import reuse_cpu_temporaries as r; print(r())"],
+    cuda = subprocess.run([sys.executable, "-c", "from jaxrag.pipeline.cli import reuse_cpu_temporaries as r; print(r())"],
                           capture_output=True, text=True, cwd=REPO, env=env | {"JAX_PLATFORMS": "cuda"}, check=True)
     assert cuda.stdout.split() == ["False"]  # an accelerator's host is left alone

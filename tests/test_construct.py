@@ -26,7 +26,8 @@ from jaxrag.data.schema import QAExample
 from jaxrag.decode.sampler import SamplingParams
 from jaxrag.errors import JaxragError
 from jaxrag.models.hf import decoder_config
-from jaxrag.models.model import Model, _build, add_special_tokens, host_params
+from jaxrag.models.model import Model, add_special_tokens
+from jaxrag.models.params import build_decoder, host_params
 from jaxrag.prompts import GENREAD_AMBIGUOUS, GENREAD_PROMPT, answer_ids, base_prompt_ids, base_prompt_text
 
 TESTS = Path(__file__).resolve().parent
@@ -63,7 +64,7 @@ def model() -> Model:
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         cfg = decoder_config(hf)
-        _MODEL["m"] = add_special_tokens(Model(_build(cfg, random_params(cfg, 0)), tok, hf))
+        _MODEL["m"] = add_special_tokens(Model(build_decoder(cfg, random_params(cfg, 0)), tok, hf))
     return _MODEL["m"]
 
 
@@ -235,7 +236,7 @@ def test_two_processes_split_round_1_and_the_shards(built, tmp_path, monkeypatch
         except BaseException as e:  # noqa: BLE001  reported below
             errors.append(e)
 
-    copy = Model(_build(model().config, jax.tree.map(np.array, host_params(model().decoder))), model().tokenizer,
+    copy = Model(build_decoder(model().config, jax.tree.map(np.array, host_params(model().decoder))), model().tokenizer,
                  model().hf_config, model().sources)
     threads = [threading.Thread(target=host, args=(i, m)) for i, m in ((1, copy), (0, model()))]
     for t in threads:
@@ -252,7 +253,7 @@ def eos_model(m: Model, weight: float = 50.0) -> Model:
     params = jax.tree.map(np.array, host_params(m.decoder))
     params["embed"][:, 0] = 10.0
     params["lm_head"][0, m.tokenizer.eos_token_id] = weight
-    return Model(_build(m.config, params), m.tokenizer, m.hf_config, m.sources)
+    return Model(build_decoder(m.config, params), m.tokenizer, m.hf_config, m.sources)
 
 
 def test_bad_input_is_counted_in_stats(tmp_path):
@@ -343,7 +344,7 @@ def test_relabel_drops_records_with_no_context_of_the_new_label():
     label has a context to train on. Seen on a world seed: every verbalization of a FEVER-like
     question came out empty and the no-context likelihood labelled it <Self>; stage 1 of the
     w/o-kv-label ablation then refused the record ("no context for the label 'self'")."""
-    from jaxrag.pipeline_srrag import relabel
+    from jaxrag.pipeline.baselines import relabel
     from jaxrag.train.batches import as_records
 
     wiki = {"source": "wiki", "text": "A passage.", "loglik": -0.5}

@@ -7,11 +7,11 @@ import types
 import pytest
 from data_files import jsonl, parquet, tsv
 
-from jaxrag.config import TRAIN_DATASETS, paper_config
 from jaxrag.data import loaders
 from jaxrag.data.check import check_data, fit_counts
 from jaxrag.errors import JaxragError
-from jaxrag.pipeline_srrag import dataset_items, eval_items
+from jaxrag.pipeline.config import TRAIN_DATASETS, paper_config
+from jaxrag.pipeline.workdir import dataset_items, eval_items
 
 
 def mc(i, labels="ABCD"):

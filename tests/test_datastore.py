@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrag.datastore import main
 from jaxrag.errors import JaxragError
 from jaxrag.retrieval.datastore import (PolicyDatastore, build_datastore, knn_policy, label_distribution)
-from jaxrag.retrieval.datastore_cli import main
 from jaxrag.retrieval.index import IndexParams
 
 DIM = 64

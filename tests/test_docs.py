@@ -59,7 +59,7 @@ def test_the_check_finds_what_is_broken(tmp_path):
     page = tmp_path / "page.md"
     (tmp_path / "there.md").write_text("")
     text = ("[ok](there.md#part) [web](https://arxiv.org/abs/2504.01018) [gone](missing.md)\n"
-            "`jaxrag/config.py`, `configs/qwen.py:tiny`, `results/embedded/world-v7/seed*`, "
+            "`jaxrag/pipeline/config.py`, `configs/qwen.py:tiny`, `results/embedded/world-v7/seed*`, "
             "`jaxrag/nothing.py`, `W/results.json`, `git show abc1234:results/old/README.md`, "
             "see jaxrag/eval/. See DESIGN.md.")
     assert broken_references(page, text) == ["link missing.md", "path jaxrag/nothing.py", "mentions DESIGN.md"]

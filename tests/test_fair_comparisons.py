@@ -11,35 +11,33 @@ import pytest
 from scipy.special import softmax
 
 from jaxrag.data.schema import QAExample
+from jaxrag.decode.phases import charge_phases
+from jaxrag.decode.policy import PolicyDecision, source_probabilities
 from jaxrag.errors import JaxragError
 from jaxrag.eval import latency, stats
 from jaxrag.eval.harness import Decision, Paths
-from jaxrag.decode.phases import charge_phases
 from jaxrag.models.tokens import NONE, SELF, WIKI
-from jaxrag.policies import PolicyDecision, source_probabilities
 
 # -- 1. Selective RAG's second stage; config.training as run -------------------------------------
 
 
 def test_selective_rag_gets_stage_two_on_its_own_stage_one_loss(tmp_path, monkeypatch):
-    from jaxrag import pipeline_srrag
-    from jaxrag.models import model as model_mod
-    from jaxrag.train import stages
+    from jaxrag.pipeline import baselines
 
     calls = []
     records = [{"id": "a", "question": "q", "label": "self", "selective_label": "wiki", "no_kv_label": "wiki",
                 "contexts": [{"source": "wiki", "loglik": -1.0, "text": "p"}], "best": {"wiki": 0}}]
-    monkeypatch.setattr(pipeline_srrag, "construct_records", lambda w: records)
-    monkeypatch.setattr(pipeline_srrag, "load", lambda cfg, path: str(path))
-    monkeypatch.setattr(pipeline_srrag, "build_policy_datastore", lambda *a: None)
-    monkeypatch.setattr(model_mod, "add_special_tokens", lambda m, sources: f"{m}+{'/'.join(sources)}")
-    monkeypatch.setattr(stages, "train_stage1", lambda m, recs, cfg, out: calls.append(("stage1", m, recs, out)))
-    monkeypatch.setattr(stages, "train_stage2", lambda m, ref, recs, cfg, out: calls.append(("stage2", m, recs, out)))
-    monkeypatch.setattr(stages, "train_stage2_no_dpo",
+    monkeypatch.setattr(baselines, "construct_records", lambda w: records)
+    monkeypatch.setattr(baselines, "load", lambda cfg, path: str(path))
+    monkeypatch.setattr(baselines, "build_policy_datastore", lambda *a: None)
+    monkeypatch.setattr(baselines, "add_special_tokens", lambda m, sources: f"{m}+{'/'.join(sources)}")
+    monkeypatch.setattr(baselines, "train_stage1", lambda m, recs, cfg, out: calls.append(("stage1", m, recs, out)))
+    monkeypatch.setattr(baselines, "train_stage2", lambda m, ref, recs, cfg, out: calls.append(("stage2", m, recs, out)))
+    monkeypatch.setattr(baselines, "train_stage2_no_dpo",
                         lambda m, recs, cfg, out: calls.append(("stage2_no_dpo", m, recs, out)))
     cfg = types.SimpleNamespace(pipeline=types.SimpleNamespace(workers=1))
     (tmp_path / "baselines").mkdir()
-    pipeline_srrag.baselines_stage(cfg, tmp_path)
+    baselines.baselines_stage(cfg, tmp_path)
     out = tmp_path / "baselines"
     sel = [c for c in calls if c[3].name.startswith("selective")]
     assert [(c[0], c[3]) for c in sel] == [("stage1", out / "selective_stage1"), ("stage2_no_dpo", out / "selective")]
@@ -50,7 +48,7 @@ def test_selective_rag_gets_stage_two_on_its_own_stage_one_loss(tmp_path, monkey
 def test_training_record_reports_stages_as_run(tmp_path):
     from ml_collections import ConfigDict
 
-    from jaxrag.pipeline_srrag import training_record
+    from jaxrag.pipeline.finetune import training_record
 
     cfg = ConfigDict({"stage1": {"epochs": 3, "lr": 3e-4}, "stage2": {"epochs": 2, "lr": 1e-4}})
     for stage_dir, section, last in (("stage1", "stage1", 30), ("stage2", "stage2", 20),
@@ -96,10 +94,9 @@ class _Tok:
 
 
 def test_untuned_methods_are_timed_in_the_same_batches_with_an_injected_clock(monkeypatch):
-    from jaxrag.decode import sampler
     from jaxrag.decode.routing import RouteConfig
 
-    monkeypatch.setattr(sampler, "generate", lambda dec, prompts, max_new, stop_ids=(): [[p[0]] for p in prompts])
+    monkeypatch.setattr(latency, "generate", lambda dec, prompts, max_new, stop_ids=(): [[p[0]] for p in prompts])
     model = types.SimpleNamespace(tokenizer=_Tok(), decoder=None)
     items = [("popqa", QAExample(str(i), f"q{i}", ("x",))) for i in range(3)] + [("nq", QAExample("9", "q9", ("x",)))]
     assert latency.latency_batches(items, 2) == [[0, 1], [2], [3]]
@@ -178,7 +175,7 @@ def test_figure4_thresholds_verbalize_the_asked_share_of_validation():
 
 
 def test_selective_rag_at_srrag_retrieval_is_chosen_on_validation():
-    from jaxrag.eval.methods import matched_retrieval
+    from jaxrag.pipeline.eval import matched_retrieval
 
     srrag_val = np.array([0.1, 0.6, 0.7, 0.9])  # tau 0.5 -> SR-RAG retrieves 3 of 4 validation questions
     selective_val = np.array([0.05, 0.2, 0.3, 0.4])  # retrieving 3 of 4 needs t in [0.05, 0.2)
@@ -248,7 +245,7 @@ def test_route_reads_p_model_as_source_probabilities(route_model):
 
 
 def test_reading_gate_passages_are_formatted_as_retrieval_hands_them():
-    from jaxrag.eval.probe import retrieved_passages
+    from jaxrag.world.probe import retrieved_passages
 
     got = retrieved_passages(["Gold Name\ngold text.", "Other\nother text.", "Third\nthird text."], random.Random(1))
     assert sorted(got) == ["(Title: Gold Name) gold text.", "(Title: Other) other text.", "(Title: Third) third text."]
@@ -257,7 +254,7 @@ def test_reading_gate_passages_are_formatted_as_retrieval_hands_them():
 
 
 def test_routed_reading_prompt_is_routes_wiki_row(route_model):
-    from jaxrag.eval.probe import routed_reading_prompts
+    from jaxrag.world.probe import routed_reading_prompts
     from jaxrag.models.tokens import source_token
 
     tok = route_model.tokenizer
@@ -274,8 +271,8 @@ def test_routed_reading_prompt_is_routes_wiki_row(route_model):
 
 
 def test_reading_gate_asks_both_prompts_and_gates_on_the_base_one(route_model, monkeypatch):
-    from jaxrag.data.world import generate_world
-    from jaxrag.eval import probe
+    from jaxrag.world.generate import generate_world
+    from jaxrag.world import probe
     from jaxrag.models.tokens import source_token
 
     world = generate_world()

@@ -1,4 +1,4 @@
-"""Independent work side by side (`jaxrag.lanes`): order, concurrency, stopping, same results."""
+"""Independent work side by side (`jaxrag.pipeline.lanes`, `jaxrag.concurrency`): order, concurrency, stopping, same results."""
 
 import threading
 import time
@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from train_fixtures import tiny_model, train_config
 
-from jaxrag import lanes
+from jaxrag import concurrency
+from jaxrag.pipeline import lanes
 from jaxrag.train import stages
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Self routing lets a model verbalize what it knows."] * 6
@@ -42,9 +43,9 @@ def test_a_failure_stops_the_work_beside_it_and_is_what_the_caller_sees():
     def long_loop():
         try:
             for _ in range(1000):
-                lanes.check()
+                concurrency.check()
                 time.sleep(0.01)
-        except lanes.Stopped:
+        except concurrency.Stopped:
             stopped.set()
             raise
 
@@ -59,7 +60,7 @@ def test_a_failure_stops_the_work_beside_it_and_is_what_the_caller_sees():
     # nested: the inner failure is the news, not the outer sibling's Stopped
     with pytest.raises(ValueError, match="bad input"):
         lanes.run_graph({"a": (long_loop, ()), "inner": (lambda: lanes.run_graph({"b": (fails, ())}, 2), ())}, 2)
-    lanes.run_graph({"a": (lanes.check, ())}, 2)  # the flag is cleared for the next run
+    lanes.run_graph({"a": (concurrency.check, ())}, 2)  # the flag is cleared for the next run
 
 
 def test_trainings_side_by_side_give_the_same_parameters_as_one_after_the_other(tmp_path):
@@ -92,7 +93,7 @@ def _held_by_another_thread(lock) -> bool:
 def test_models_saved_side_by_side_hold_the_orbax_lock_and_load_back(tmp_path, monkeypatch):
     """Orbax is process-wide: two unguarded saves at once can fail (FileExistsError in its temp
     directory, seen in a pipeline's baselines stage), so every orbax call of save_model /
-    load_model holds `lanes.ORBAX`; models saved from two lanes at once all load back."""
+    load_model holds `concurrency.ORBAX`; models saved from two lanes at once all load back."""
     import orbax.checkpoint as ocp
 
     from jaxrag.models.model import load_model, save_model
@@ -102,7 +103,7 @@ def test_models_saved_side_by_side_hold_the_orbax_lock_and_load_back(tmp_path, m
         original = getattr(ocp.StandardCheckpointer, name)
 
         def call(self, *a, _original=original, **k):
-            held.append(_held_by_another_thread(lanes.ORBAX))
+            held.append(_held_by_another_thread(concurrency.ORBAX))
             return _original(self, *a, **k)
         monkeypatch.setattr(ocp.StandardCheckpointer, name, call)
     model = tiny_model()
@@ -117,8 +118,9 @@ def test_models_saved_side_by_side_hold_the_orbax_lock_and_load_back(tmp_path, m
 
 CTRL_C = r"""
 import sys, time
-from jaxrag import lanes
-from jaxrag.cli import run
+from jaxrag import concurrency
+from jaxrag.errors import run
+from jaxrag.pipeline import lanes
 
 def loop(name):
     def go():
@@ -126,9 +128,9 @@ def loop(name):
         sys.stdout.flush()
         try:
             while True:
-                lanes.check()
+                concurrency.check()
                 time.sleep(0.01)
-        except lanes.Stopped:
+        except concurrency.Stopped:
             sys.stdout.write(f"stopped {name}\n")
             sys.stdout.flush()
             raise

@@ -76,7 +76,8 @@ def test_inference_model_merges_adapters_once(base):
     """`for_inference`: adapters merged into the weights (no adapter left), layers unstacked,
     the adapted model's logits and greedy tokens; `host_params` gives training's layout back."""
     from jaxrag.decode.sampler import generate
-    from jaxrag.models.model import for_inference, host_params
+    from jaxrag.models.model import for_inference
+    from jaxrag.models.params import host_params
 
     adapted = with_random_b(L.add_lora(base, 4, 8.0, ALL))
     fast = for_inference(adapted)

@@ -6,7 +6,6 @@ import pytest
 
 from jaxrag.data.schema import QAExample
 from jaxrag.errors import JaxragError
-from jaxrag.eval.probe import answer_scores, states_answer
 from jaxrag.eval.metrics import (
     auroc,
     dataset_accuracy,
@@ -21,6 +20,7 @@ from jaxrag.eval.metrics import (
     token_f1,
     true_false_accuracy,
 )
+from jaxrag.world.probe import answer_scores, states_answer
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -17,9 +17,9 @@ import transformers
 from nbclient import NotebookClient
 
 import jaxrag
-from jaxrag import pipeline
 from jaxrag.errors import JaxragError
-from jaxrag.config import tiny_config
+from jaxrag.pipeline import run as pipeline
+from jaxrag.pipeline.config import tiny_config
 
 REPO = Path(__file__).parent.parent
 
@@ -185,7 +185,7 @@ def test_every_saved_model_tokenizes_as_the_world_tokenizer(workdir):
 
 def test_a_datastore_layer_beyond_the_model_is_refused_before_anything_is_written(workdir, tmp_path):
     """A real model's layer count is only known from its checkpoint: the datastore stage checks it."""
-    from jaxrag.pipeline_srrag import build_policy_datastore
+    from jaxrag.pipeline.datastore import build_policy_datastore
 
     cfg = mini_config()
     cfg.model.datastore_layer = 3
@@ -316,7 +316,7 @@ def test_export_serves_sr_rag_with_the_evaluated_tau(workdir):
     results = json.loads((workdir / "results.json").read_text())
     system = SRRAG.load(workdir / "export")
     assert system.tau == results["config"]["thresholds"]["srrag"] and system.k == 3 and system.n_passages == 2
-    assert len(system.datastore) == len(jaxrag.pipeline_srrag.construct_records(workdir))
+    assert len(system.datastore) == len(jaxrag.pipeline.workdir.construct_records(workdir))
     routed = system.ask(["Which city is the birthplace of Kou?"])
     r = routed[0]
     want = "wiki" if r.p_model[0] * r.p_datastore[0] > system.tau else "self"
@@ -359,22 +359,21 @@ def test_base_gates_retry_from_a_new_init_and_keep_the_largest_margin(tmp_path, 
     attempt k trains in its own directory from seed + 1_000_003 k, stops at the first base that
     passes both gates (reading 0.8, verbalization 0.7 here), else keeps the largest margin
     min(reading - 0.8, verbalization - 0.7)."""
-    from jaxrag.eval import probe
-    from jaxrag.train import stages
+    from jaxrag.pipeline import base
 
     runs = []
-    monkeypatch.setattr(pipeline, "_tiny_model", lambda cfg, workdir: int(cfg.seed))
-    monkeypatch.setattr(stages, "train_lm", lambda seed, texts, cfg, workdir: runs.append((seed, workdir)) or seed)
+    monkeypatch.setattr(base, "_tiny_model", lambda cfg, workdir: int(cfg.seed))
+    monkeypatch.setattr(base, "train_lm", lambda seed, texts, cfg, workdir: runs.append((seed, workdir)) or seed)
 
     def check(reading, verbal, attempts, want_runs, want_kept):
         runs.clear()
         reads, verbs = iter(reading), iter(verbal)
-        monkeypatch.setattr(probe, "fresh_reading", lambda model, world, n, **kw: {"reading": next(reads)})
-        monkeypatch.setattr(probe, "fresh_rule_verbalization", lambda model, world, n, tokens: next(verbs))
+        monkeypatch.setattr(base, "fresh_reading", lambda model, world, n, **kw: {"reading": next(reads)})
+        monkeypatch.setattr(base, "fresh_rule_verbalization", lambda model, world, n, tokens: next(verbs))
         cfg = tiny_config("qwen2")
         cfg.update(seed=7)
         cfg.world_probe.update(attempts=attempts, reading_gate=0.8, verbal_gate=0.7)
-        model, got = pipeline.pretrain_until_it_reads_and_verbalizes(
+        model, got = base.pretrain_until_it_reads_and_verbalizes(
             cfg, tmp_path, type("World", (), {"pretraining_documents": None}))
         assert model == 7 + 1_000_003 * want_kept and got["kept_attempt"] == want_kept
         assert got["reading_attempts"] == reading[:want_runs] and got["verbalization_attempts"] == verbal[:want_runs]

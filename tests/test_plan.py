@@ -19,7 +19,7 @@ import pytest
 
 from jaxrag.models import decoder as decoder_mod
 from jaxrag.models.decoder import attention_implementation
-from jaxrag.plan_fit import PLAN_XLA_FLAGS, Row, failures
+from jaxrag.plan.fit import PLAN_XLA_FLAGS, Row, failures
 
 REPO = Path(__file__).resolve().parents[1]
 USABLE_GB = 80 * 0.75  # JAX's default preallocation of an 80 GB device
@@ -54,8 +54,8 @@ def test_llama2_and_phi3_train_steps_fit_8x80gb():
     script = """
 import sys
 from ml_collections import config_flags
-from jaxrag.config import get_config_for
-from jaxrag.plan_fit import measure, plan_devices
+from jaxrag.pipeline.config import get_config_for
+from jaxrag.plan.fit import measure, plan_devices
 for family in ("llama", "phi3"):
     rows = measure(get_config_for(family, ""), plan_devices(8), "h100", 60.0, 0.1, 0.5, log=lambda *_: None,
                    only=("stage1 step", "stage2 step"))
@@ -77,8 +77,8 @@ def test_qwen_lora_stage1_fits_one_80gb_gpu():
     fits 80 GB where full fine-tuning does not, and its FLOPs skip the frozen weights' gradients
     (3 passes with block remat, against full FT's 4)."""
     script = """
-from jaxrag.config import get_config_for
-from jaxrag.plan_fit import measure, plan_devices
+from jaxrag.pipeline.config import get_config_for
+from jaxrag.plan.fit import measure, plan_devices
 cfg = get_config_for("qwen2", "")
 full = measure(cfg, plan_devices(1), "h100", 60.0, 0.1, 0.5, log=lambda *_: None, only=("stage1 step",))[0]
 cfg.model.lora.rank = 16
@@ -157,9 +157,9 @@ def test_gpu_path_gets_the_causal_padding_segment_mask(monkeypatch):
 def test_the_fit_check_runs_on_cpu_against_host_memory(tiny_hf, monkeypatch):
     """The pipeline's preflight on a CPU backend: the run's programs, compiled at the dtypes the
     CPU runs, against host memory; too little refuses with the settings to change."""
-    from jaxrag import plan_fit
-    from jaxrag.config import paper_config
     from jaxrag.errors import JaxragError
+    from jaxrag.pipeline.config import paper_config
+    from jaxrag.plan import fit as plan_fit
 
     _, hf_dir, _ = tiny_hf("qwen2")
     cfg = paper_config("qwen2")

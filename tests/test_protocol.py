@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from jaxrag.config import TABLE5_TRAIN, TABLE5_VALIDATION, tiny_config
 from jaxrag.data.mixture import mixture_split, stratified_sample
 from jaxrag.data.schema import QAExample
+from jaxrag.decode.policy import PolicyDecision, PolicyInputs
 from jaxrag.eval import harness, latency, stats
 from jaxrag.eval.harness import Decision, Paths
 from jaxrag.eval.methods import Evaluation, Method
 from jaxrag.models.tokens import SELF, WIKI
-from jaxrag.policies import PolicyDecision, PolicyInputs
+from jaxrag.pipeline.config import TABLE5_TRAIN, TABLE5_VALIDATION, tiny_config
 
 
 def make_paths(names, verb, ret, p_wiki=None):
@@ -87,8 +87,8 @@ def test_stratified_sample_is_proportional():
 
 def test_validation_comes_from_the_training_mixture(tmp_path):
     """Real data: validation = Table 5 counts drawn from the training files; no test question."""
-    from jaxrag.config import paper_config
-    from jaxrag.pipeline_srrag import eval_items
+    from jaxrag.pipeline.config import paper_config
+    from jaxrag.pipeline.workdir import eval_items
 
     cfg = paper_config("qwen2")
     cfg.data.train, cfg.data.eval = ["nq", "fever"], ["popqa"]
@@ -281,7 +281,7 @@ def test_bootstrap_auroc_equals_the_auroc_of_each_resample():
 
 
 def test_tau_curves_average_datasets_then_workdirs_and_ties_go_to_less_retrieval():
-    from jaxrag.eval import tau
+    from jaxrag.pipeline import tau
 
     # workdir A: nq (2 questions) + fever (2); retrieval helps exactly where the score >= 0.5
     a = make_paths(["nq", "nq", "fever", "fever"], [1, 0, 1, 0], [0, 1, 0, 1])

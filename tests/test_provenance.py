@@ -1,13 +1,13 @@
-"""The stage-dependency table and the rerun plan (`jaxrag.provenance`), without running stages:
+"""The stage-dependency table and the rerun plan (`jaxrag.pipeline.provenance`), without running stages:
 which fields each stage is built from, what a changed field makes stale, rerun_from, and
 workdirs made before records existed. The pipeline-level behaviour is in test_pipeline.py."""
 
 import pytest
 
-from jaxrag import provenance as P
-from jaxrag.config import paper_config, tiny_config
-from jaxrag.config_check import flatten
 from jaxrag.errors import JaxragError
+from jaxrag.pipeline import provenance as P
+from jaxrag.pipeline.config import paper_config, tiny_config
+from jaxrag.pipeline.config_check import flatten
 
 NAMES = list(P.STAGES)
 
@@ -93,7 +93,7 @@ def test_a_changed_training_field_stops_with_the_stage_and_the_difference(tmp_pa
 def test_a_workdir_of_an_older_world_generator_is_refused_at_the_world_stage(tmp_path):
     """`world.version` names the generator: a workdir built before a version existed (version 1)
     or by another version is refused, not silently reused with the new code's world."""
-    from jaxrag.data.world import WorldConfig
+    from jaxrag.world.generate import WorldConfig
 
     cfg = tiny_config("qwen2")
     assert cfg.world.version == WorldConfig().version

@@ -21,11 +21,11 @@ from ml_collections import ConfigDict
 
 import jaxrag
 from jaxrag import convert
+from jaxrag.decode.policy import PolicyDecision
 from jaxrag.decode.routing import RouteConfig, route
 from jaxrag.decode.sampler import generate
 from jaxrag.models import gguf
 from jaxrag.models.tokens import EOK, EOQ, source_token
-from jaxrag.policies import PolicyDecision
 from jaxrag.prompts import prompt_ids
 from jaxrag.train import stages
 from real_fixtures import questions, smollm_gguf, wiki_paragraphs

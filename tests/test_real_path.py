@@ -52,7 +52,7 @@ WHOLE_RUN_GB = 40
 @pytest.fixture(scope="module")
 def run(data, tmp_path_factory):
     """The whole command once; every test below reads what it left."""
-    from jaxrag.plan_fit import host_memory_gb
+    from jaxrag.plan.fit import host_memory_gb
 
     if host_memory_gb() < WHOLE_RUN_GB:
         pytest.skip(f"the whole real-path run needs ~{WHOLE_RUN_GB} GB of host memory (this host: "

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from jaxrag.eval.seeds import main
+from jaxrag.pipeline.seeds import main
 
 
 def write_run(path, seed, diffs, auroc_diff, tau=0.2, rag=0.5):
@@ -73,8 +73,8 @@ def test_kept_runs_are_the_current_tiny_recipe(capsys):
     """The pooled table of the embedded default (docs/embedded-world.md) is recomputable from
     results/embedded/world-v7/, and those runs are of the tiny config as it stands: a recipe
     change must rerun them into a new folder."""
-    from jaxrag.config import get_config_for
-    from jaxrag.eval.seeds import recipe
+    from jaxrag.pipeline.config import get_config_for
+    from jaxrag.pipeline.seeds import recipe
 
     runs = sorted(KEPT.glob("seed*"))
     assert len(runs) >= 2 and main([*map(str, runs)]) == 0

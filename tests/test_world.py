@@ -11,15 +11,15 @@ from dataclasses import replace
 
 import pytest
 
-from jaxrag.data import read_examples
-from jaxrag.data import world_text as wt
-from jaxrag.data.world import WorldConfig, generate_world, write_world
-from jaxrag.data.world_datasets import EVAL_SETS, TRAIN_SETS
+from jaxrag.data.schema import read_examples
 from jaxrag.models.tokens import srrag_tokens
+from jaxrag.world import text as wt
+from jaxrag.world.datasets import EVAL_SETS, TRAIN_SETS
+from jaxrag.world.generate import WorldConfig, generate_world, write_world
 
 DIGEST = """
 import hashlib, json
-from jaxrag.data.world import generate_world
+from jaxrag.world.generate import generate_world
 w = generate_world()
 blob = json.dumps([w.corpus(), {n: {s: [e.to_dict() for e in x] for s, x in d.items()}
                    for n, d in w.datasets().items()}, w.pretraining_texts(0)], sort_keys=True)
@@ -333,7 +333,7 @@ def test_fresh_rule_questions_ask_the_worlds_rules_about_items_no_dataset_holds(
     """The base's verbalization gate: each question names a new item of a known category, its
     truth is that category's value of the asked property and one of its four choices, and no
     dataset of the world asks it (the gate never reads a test question)."""
-    from jaxrag.eval.probe import fresh_rule_questions
+    from jaxrag.world.probe import fresh_rule_questions
 
     got = fresh_rule_questions(world, 50)
     assert got == fresh_rule_questions(world, 50) and len(got) == 50
@@ -354,7 +354,7 @@ def test_fresh_rule_questions_ask_the_worlds_rules_about_items_no_dataset_holds(
 
 
 def test_fresh_claims_are_decided_by_their_passage(world):
-    from jaxrag.eval.probe import fresh_claim_questions
+    from jaxrag.world.probe import fresh_claim_questions
 
     claims = fresh_claim_questions(world, 200)
     asked = {ex.question for splits in world.datasets().values() for xs in splits.values() for ex in xs}

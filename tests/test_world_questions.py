@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from jaxrag.data import world_text as wt
-from jaxrag.data.world import generate_world
+from jaxrag.world import text as wt
+from jaxrag.world.generate import generate_world
 
 
 @pytest.fixture(scope="module")

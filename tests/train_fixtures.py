@@ -12,7 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxrag.models.decoder import Decoder
 from jaxrag.models.hf import decoder_config
-from jaxrag.models.model import Model, _build, add_special_tokens
+from jaxrag.models.model import Model, add_special_tokens
+from jaxrag.models.params import build_decoder
 
 SELF_TEXTS = ["the novel was written in 1850", "the quick brown fox", "a lazy dog"]
 WIKI_TEXTS = ["Retrieval augmented generation reads passages", "Self routing lets a model verbalize",
@@ -55,7 +56,7 @@ def tiny_model(seed: int = 0) -> Model:
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
     cfg = decoder_config(hf)
-    return add_special_tokens(Model(_build(cfg, random_params(cfg, seed)), tok, hf))
+    return add_special_tokens(Model(build_decoder(cfg, random_params(cfg, seed)), tok, hf))
 
 
 def toy_record(i: int, label: str) -> dict:

@@ -1,9 +1,3 @@
-"""Datasets, corpora and the embedded world: the shared QA schema lives in `schema`."""
-
-from jaxrag.data.schema import QAExample, read_examples, write_examples
-from jaxrag.data.world import World, WorldConfig, generate_world, write_world
-
-__all__ = [
-    "QAExample", "World", "WorldConfig", "generate_world", "read_examples", "write_examples",
-    "write_world",
-]
+"""What real data needs: the shared QA schema (`schema`), the ten datasets' loaders (`loaders`),
+Table 5's training mixture (`mixture`), the checks before the first stage (`check`), and
+Algorithm 1, which turns questions into training records (`construct*.py`)."""

@@ -67,6 +67,7 @@ from jaxrag.decode.scoring import score
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import NONE, SELF, WIKI
 from jaxrag.prompts import answer_ids, answer_prefix_ids, base_prompt_ids, base_prompt_text, prompt_ids
+from jaxrag.train.batches import read_records
 
 __all__ = ["ConstructParams", "answer_logliks", "best_worst", "construct", "construct_done", "construct_stats",
            "label_source", "no_context_label", "read_construct", "source_logliks", "stats_markdown"]
@@ -422,8 +423,6 @@ def construct_done(out_dir: str | os.PathLike) -> bool:
 
 def read_construct(out_dir: str | os.PathLike, sources: Sequence[str]) -> list:
     """All records of a finished run as `train.batches.TrainRecord`s, in shard order."""
-    from jaxrag.train.batches import read_records
-
     out_dir = Path(out_dir)
     if not construct_done(out_dir):
         raise JaxragError(f"{out_dir}: the construct stage has not finished (no {STATS})")

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxrag.data.schema import UNK_ANSWER, QAExample, unk_message
-from jaxrag.data.world_text import CLAIM
+from jaxrag.data.schema import CLAIM, QAExample, UNK_ANSWER, unk_message
 from jaxrag.errors import JaxragError
 
 Row = dict[str, Any]

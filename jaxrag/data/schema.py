@@ -20,6 +20,8 @@ _FIELDS = ("id", "question", "golden_answers", "choices", "metadata")
 # The Hub's stand-in for a withheld answer (TriviaQA's test split: every answer is "<unk>",
 # huggingface/datasets#804); scored as gold it would make accuracy ~0 without a word.
 UNK_ANSWER = "<unk>"
+# How a claim is asked (FEVER, PubHealth and the embedded world's claim sets); answers "true" / "false".
+CLAIM = "Claim: {s} True or false?"
 
 
 @dataclass(frozen=True)

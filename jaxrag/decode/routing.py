@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from jaxrag.decode.phases import charge_phases
+from jaxrag.decode.policy import Policy, PolicyInputs, source_probabilities
 from jaxrag.decode.sampler import (SamplingParams, batch_rows, bucket, decode, extend, init_state, left_pad,
                                    on_mesh, stop_matrix)
 from jaxrag.errors import JaxragError
-from jaxrag.decode.phases import charge_phases
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import EOK, NONE, SELF, source_token
-from jaxrag.policies import Policy, PolicyInputs, source_probabilities
 from jaxrag.prompts import answer_prefix_ids, join_passages, knowledge_ids, prompt_ids
 
 Retrieve = Callable[[list[str]], list[list[str]]]  # questions -> passages per question

@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrag import sharding
 from jaxrag.models.decoder import Decoder, KVCache, init_cache
+from jaxrag.sharding import batch_sharding, data_parallel_size, place
 
 NO_TOKEN = -1  # marks "no token generated at this step" in output buffers
 
@@ -197,8 +199,6 @@ def stop_matrix(stops: Sequence[Sequence[int]], batch: int) -> np.ndarray:
 
 def shard_decoder(decoder: Decoder, mesh) -> Decoder:
     """The decoder with its parameters placed on `mesh` by the logical-axis rules."""
-    from jaxrag import sharding
-
     graphdef, state = nnx.split(decoder)
     placed = sharding.place(nnx.to_pure_dict(state), sharding.param_shardings(mesh, decoder))
     nnx.replace_by_pure_dict(state, placed)
@@ -210,8 +210,6 @@ def batch_rows(n: int, mesh=None) -> int:
     rows = 1 << max(0, int(n) - 1).bit_length()
     if mesh is None:
         return rows
-    from jaxrag.sharding import data_parallel_size
-
     dp = data_parallel_size(mesh)
     return -(-rows // dp) * dp
 
@@ -220,8 +218,6 @@ def on_mesh(array, mesh):
     """Host array -> device array, split over the mesh's batch axes when there is a mesh."""
     if mesh is None:
         return jnp.asarray(array)
-    from jaxrag.sharding import batch_sharding, place
-
     return place(np.asarray(array), batch_sharding(mesh))
 
 

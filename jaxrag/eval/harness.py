@@ -27,12 +27,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrag.data.schema import QAExample
+from jaxrag.decode.policy import Policy, PolicyInputs
 from jaxrag.decode.routing import Retrieve, RouteConfig, route, timed
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import auroc, extract_choice, score_prediction, source_selection_accuracy
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import SELF, WIKI
-from jaxrag.policies import Policy, PolicyInputs, always
+from jaxrag.policies import always
 from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text
 
 Item = tuple[str, QAExample]  # (dataset name, example)

@@ -26,14 +26,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxrag.decode.phases import charge_phases
+from jaxrag.decode.policy import Policy
 from jaxrag.decode.routing import RouteConfig, Routed, route
+from jaxrag.decode.sampler import generate
 from jaxrag.eval.harness import Decision, Item, Paths, questions_of, without_compiles
 from jaxrag.eval.metrics import score_prediction
-from jaxrag.decode.phases import charge_phases
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import SELF, WIKI
-from jaxrag.policies import Policy
 from jaxrag.policies.srrag import Neighbours, srrag_policy
+from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text, join_passages
 
 PHASES = ("T_d", "T_v", "T_r", "T_g")
 
@@ -84,9 +86,6 @@ def untuned_route_items(model: Model, items: Sequence[Item], source: str, retrie
     `harness.untuned_paths`): `wiki` = always-RAG (one batched retrieval, T_r, then the answer
     with the passages, T_g); `self` = GenRead (the background document, T_v, then the answer
     with it, T_g). No source selection runs (T_d = 0). `clock`: seconds, injectable for tests."""
-    from jaxrag.decode.sampler import generate
-    from jaxrag.prompts import base_prompt_ids, base_prompt_text, genread_prompt_text, join_passages
-
     if source not in (WIKI, SELF):
         raise ValueError(f"untuned_route_items: source {source!r} is neither {WIKI!r} nor {SELF!r}")
     tok = model.tokenizer

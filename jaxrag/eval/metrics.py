@@ -16,6 +16,7 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 
+from jaxrag.data.loaders import DATASETS
 from jaxrag.data.schema import QAExample
 from jaxrag.errors import JaxragError
 
@@ -122,8 +123,6 @@ METRICS = {
 
 def metric_name(dataset_or_metric: str) -> str:
     """A dataset name (`loaders.DATASETS`, same names as the embedded world's) or a metric name."""
-    from jaxrag.data.loaders import DATASETS
-
     if dataset_or_metric in DATASETS:
         return DATASETS[dataset_or_metric].metric
     if dataset_or_metric in METRICS:

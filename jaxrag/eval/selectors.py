@@ -1,5 +1,5 @@
 """The seeds' selectors (IK, SeaKR, CCSK), fitted on training questions with their own papers'
-decision rules, for the eval stage.
+decision rules, for the eval stage (`jaxrag.pipeline.eval.fit_selectors` fits them).
 
 - IK: logistic probe on the untuned model's question + first answer tokens, judge label "answers
   correctly closed-book"; retrieve iff P(know) < 0.5 (score 1 - P(know)). IK's judge gives a
@@ -23,9 +23,8 @@ import dataclasses
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxrag.data.mixture import stratified_sample
+from jaxrag.decode.policy import PolicyDecision, PolicyInputs
 from jaxrag.eval.metrics import metric_name, score_prediction
-from jaxrag.policies import PolicyDecision, PolicyInputs
 from jaxrag.policies import ccsk as ccsk_mod
 from jaxrag.policies import ik as ik_mod
 from jaxrag.policies import seakr as seakr_mod
@@ -52,39 +51,6 @@ class SeedSelectors:
     ik_constant: bool  # with one class: retrieve always (True) or never
     seakr_threshold: float
     ccsk: object
-
-    @classmethod
-    def fit(cls, cfg: ConfigDict, workdir) -> SeedSelectors:
-        from jaxrag.pipeline_srrag import construct_records, dataset_items, load, retriever
-
-        b, seed = cfg.baselines, int(cfg.seed)
-        base, encoder = load(cfg, workdir / "base", inference=True), retriever(cfg, workdir).encoder
-        train_items = dataset_items(cfg, workdir, cfg.data.train, "train")
-        train = stratified_sample(train_items, int(b.max_train_questions), seed)
-        questions = [ex.prompt_question() for _, ex in train]
-        max_new = int(cfg.inference.max_answer_tokens)
-        # IK's judge label: does the untuned model answer correctly closed-book?
-        answers = ik_mod.closed_book_generations(base, questions, max_new)
-        judged = np.array([knows(name, base.tokenizer.decode(a[0], skip_special_tokens=True), ex)
-                           for (name, ex), a in zip(train, answers)])
-        ik = None
-        if 0 < judged.mean() < 1:
-            ik = ik_mod.fit_ik(base, questions, judged, answer_tokens=int(b.ik_answer_tokens))
-        else:
-            print(f"  ik: the untuned model answers {judged.mean():.0%} of the training questions closed-book; "
-                  "one judge class, so IK always predicts it", flush=True)
-        # Retrieval-preferred labels of the training questions (the construct stage's kv labels).
-        by_id = {(rec["dataset"], rec["id"]): rec["label"] == "wiki" for rec in construct_records(workdir)}
-        labelled = [(item, by_id[(item[0], item[1].id)]) for item in train if (item[0], item[1].id) in by_id]
-        fit_items = {id(it) for it in stratified_sample([it for it, _ in labelled], SEAKR_FIT_QUESTIONS, seed)}
-        fit = [(it, y) for it, y in labelled if id(it) in fit_items]
-        u = seakr_mod.seakr_uncertainty(base, [it[1].prompt_question() for it, _ in fit],
-                                        samples=int(b.seakr_samples), max_new_tokens=max_new)
-        seakr_threshold = seakr_mod.fit_seakr_threshold(u, np.array([y for _, y in fit]))
-        ccsk = ccsk_mod.fit_ccsk(base, encoder, [it[1].prompt_question() for it, _ in labelled],
-                                 np.array([y for _, y in labelled]), [it[1].golden_answers[0] for it, _ in labelled],
-                                 max_new_tokens=max_new)
-        return cls(cfg, base, encoder, train_items, train, ik, not judged.any(), seakr_threshold, ccsk)
 
     def score_policy(self, rule: str):
         """threshold t -> a Policy retrieving iff its score > t."""

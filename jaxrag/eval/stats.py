@@ -13,6 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxrag.errors import JaxragError
+from jaxrag.models.tokens import WIKI
+
 
 class StratifiedBootstrap:
     """Fixed draws (one per sample and dataset) shared by every statistic, so paired
@@ -87,9 +90,6 @@ def paired_auroc_difference(boot: StratifiedBootstrap, paths_a, d_a, paths_b, d_
     strictly better than the other path"), with a paired 95% interval. Both methods must rank the
     same labels (e.g. SR-RAG and its w/o kNN ablation, one model's paths): AUROCs over different
     positives are not one quantity, so that is an error."""
-    from jaxrag.errors import JaxragError
-    from jaxrag.models.tokens import WIKI
-
     def labels_of(paths):
         return np.asarray(paths.correct[WIKI] > paths.correct[paths.other])
 

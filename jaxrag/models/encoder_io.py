@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxrag import lanes
+from jaxrag import concurrency
 from jaxrag.errors import JaxragError
 from jaxrag.models.encoder import DEFAULT_ENCODER_NAME, POOLING_MODES, BertConfig, BertEncoder, pool
 
@@ -263,7 +263,7 @@ class TextEncoder:
                 order = np.argsort([len(t) for t in token_ids], kind="stable")
                 pending = []  # device results: dispatch stays asynchronous while the host pads
                 for b in range(0, len(order), batch_size):
-                    lanes.check()
+                    concurrency.check()
                     rows = order[b: b + batch_size]
                     pending.append((rows, self._embed_padded([token_ids[i] for i in rows], batch_size)))
                 for rows, emb in pending:

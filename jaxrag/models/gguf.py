@@ -18,6 +18,7 @@ import importlib.util
 from pathlib import Path
 
 from jaxrag.errors import JaxragError
+from jaxrag.models.hf import write_hf_tensors
 
 SUFFIX = ".gguf"
 # GGUF `general.architecture` -> transformers model_type, for the families jaxrag implements.
@@ -117,8 +118,6 @@ def write_hf_dir(model, tokenizer, out, max_shard_bytes: int = 5 * 2**30) -> Pat
 
     transformers refuses `save_pretrained` on a GGUF-loaded model, so the config (minus its
     quantization entry) and the dequantized state dict are written directly."""
-    from jaxrag.models.hf import write_hf_tensors
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = plain_config(model.config)

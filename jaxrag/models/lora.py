@@ -23,6 +23,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import LORA_TARGETS, Decoder, resolve_dtype
+from jaxrag.models.params import build_decoder, host_params
+from jaxrag.models.tokens import srrag_token_ids
 
 ROWS = "token_rows"  # the trainable tree's key for the SR-RAG tokens' rows
 
@@ -38,8 +40,6 @@ def add_lora(model, rank: int, alpha: float, targets: Sequence[str], seed: int =
     """`model` (a jaxrag Model) with adapters of `rank` on `targets`: base weights unchanged,
     A random (seeded), B zero. A model that already has adapters keeps them (stage 2 continues
     stage 1's)."""
-    from jaxrag.models.model import Model, _build  # model.py imports this module's users
-
     cfg = model.config
     if cfg.lora_rank:
         return model
@@ -57,13 +57,11 @@ def add_lora(model, rank: int, alpha: float, targets: Sequence[str], seed: int =
             merged[path] = np.zeros(leaf.shape, leaf.dtype)
         else:
             merged[path] = base[path]
-    return Model(_build(lora_cfg, unflatten_dict(merged)), model.tokenizer, model.hf_config, model.sources)
+    return dataclasses.replace(model, decoder=build_decoder(lora_cfg, unflatten_dict(merged)))
 
 
 def merge_lora(model):
     """The plain model: every adapted W replaced by W + alpha/rank (A B); adapters dropped."""
-    from jaxrag.models.model import Model, _build, host_params
-
     cfg = model.config
     if not cfg.lora_rank:
         return model
@@ -76,7 +74,7 @@ def merge_lora(model):
                           b.reshape(b.shape[0], b.shape[1], -1)).reshape(w.shape)
         flat[weight] = (w.astype(np.float32) + scale * delta).astype(w.dtype)
     plain = dataclasses.replace(cfg, lora_rank=0, lora_alpha=0.0, lora_targets=())
-    return Model(_build(plain, unflatten_dict(flat)), model.tokenizer, model.hf_config, model.sources)
+    return dataclasses.replace(model, decoder=build_decoder(plain, unflatten_dict(flat)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +90,6 @@ class Trainable:
     def for_model(cls, model, base_dtype: str = "auto", dropout: float = 0.0) -> Trainable:
         if not model.config.lora_rank:
             return cls()
-        from jaxrag.models.tokens import srrag_token_ids
         if not 0.0 <= dropout < 1.0:
             raise JaxragError(f"config model.lora.dropout={dropout}: must be in [0, 1)")
         return cls(True, srrag_token_ids(model), jnp.dtype(resolve_dtype(base_dtype)).name, float(dropout))

@@ -25,11 +25,13 @@ import orbax.checkpoint as ocp
 import transformers
 from flax import nnx
 
-from jaxrag import lanes
+from jaxrag import concurrency
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import (Decoder, DecoderConfig, positions_from_mask, resolve_dtype, stack_layers,
                                    unstack_layers)
+from jaxrag.models.lora import merge_lora
+from jaxrag.models.params import build_decoder, host_params
 from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, sources_in_tokenizer, srrag_tokens
 
 JAXRAG_META = "jaxrag.json"  # marks a jaxrag checkpoint: sources, token ids, dtypes
@@ -74,13 +76,6 @@ def _mask(ids, attention_mask) -> jax.Array:
 def _forward(decoder: Decoder, ids, mask, layer):
     out = decoder(ids, positions_from_mask(mask), mask, hidden_layer=layer)
     return out.logits, out.hidden
-
-
-def _build(cfg: DecoderConfig, params: dict) -> Decoder:
-    """A Decoder holding `params` (nested numpy/jax arrays), without a random init pass."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
 
 
 def pad_vocab(params: dict, cfg: DecoderConfig) -> dict:
@@ -146,8 +141,6 @@ def for_inference(model: Model) -> Model:
     here, not per token), and each layer's weights in buffers of their own (`unstack_layers`), so
     a decode step reads every weight byte once. Same outputs; not for training (which keeps the
     adapters and the stacked layers)."""
-    from jaxrag.models.lora import merge_lora
-
     merged = merge_lora(model)
     return Model(unstack_layers(merged.decoder), merged.tokenizer, merged.hf_config, merged.sources)
 
@@ -171,9 +164,9 @@ def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32", in
             cfg = dataclasses.replace(cfg, lora_rank=int(lora["rank"]), lora_alpha=float(lora["alpha"]),
                                       lora_targets=tuple(lora["targets"]))
         params = _restore_params(model_dir / PARAMS_DIR, cfg)
-        return Model(_build(cfg, params), tokenizer, hf_config, tuple(meta["sources"]))
+        return Model(build_decoder(cfg, params), tokenizer, hf_config, tuple(meta["sources"]))
     params = hf.hf_to_params(hf.read_hf_tensors(model_dir, cfg), cfg, resolve_dtype(param_dtype))
-    return Model(_build(cfg, pad_vocab(params, cfg)), tokenizer, hf_config, sources_in_tokenizer(tokenizer))
+    return Model(build_decoder(cfg, pad_vocab(params, cfg)), tokenizer, hf_config, sources_in_tokenizer(tokenizer))
 
 
 def add_special_tokens(model: Model, sources: Sequence[str] = DEFAULT_SOURCES) -> Model:
@@ -204,7 +197,7 @@ def add_special_tokens(model: Model, sources: Sequence[str] = DEFAULT_SOURCES) -
     if "lm_head" in params:
         params["lm_head"][:, ids] = params["lm_head"][:, :real].mean(axis=1, keepdims=True)
     hf_config = transformers.AutoConfig.for_model(**{**model.hf_config.to_dict(), "vocab_size": new_vocab})
-    return Model(_build(new_cfg, params), tok, hf_config, tuple(sources))
+    return Model(build_decoder(new_cfg, params), tok, hf_config, tuple(sources))
 
 
 @contextmanager
@@ -255,7 +248,7 @@ def save_model(model: Model, out) -> Path:
     with atomic_dir(out) as tmp:
         _write_hf_side_files(model, tmp, model.config.param_dtype)
         state = nnx.to_pure_dict(nnx.state(stack_layers(model.decoder)))
-        with lanes.ORBAX, ocp.StandardCheckpointer() as ckptr:  # the save completes inside the lock
+        with concurrency.ORBAX, ocp.StandardCheckpointer() as ckptr:  # the save completes inside the lock
             ckptr.save((tmp / PARAMS_DIR).absolute(), state)
         meta = {"format": "jaxrag", "sources": list(model.sources),
                 "special_tokens": {t: model.token_id(t) for t in srrag_tokens(model.sources)} if model.sources else {}}
@@ -271,20 +264,10 @@ def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract))
     try:
-        with lanes.ORBAX, ocp.StandardCheckpointer() as ckptr:
+        with concurrency.ORBAX, ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(params_dir.absolute(), target)
     except (FileNotFoundError, ValueError) as e:
         raise JaxragError(f"{params_dir}: cannot restore params ({e})") from None
-
-
-def host_params(decoder: Decoder) -> dict:
-    """Params as host numpy arrays (training's stacked layout), gathered from every process when
-    sharded across hosts."""
-    def gather(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
-    return jax.tree.map(gather, nnx.to_pure_dict(nnx.state(stack_layers(decoder))))
 
 
 def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
@@ -292,8 +275,6 @@ def export_hf(model: Model, out, max_shard_bytes: int = 5 * 2**30, dtype: str | 
     """A Hugging Face directory `AutoModelForCausalLM.from_pretrained` loads with no missing keys
     (LoRA adapters merged into their weights). `extra(dir)` adds files beside the HF ones
     (process 0, before the directory appears)."""
-    from jaxrag.models.lora import merge_lora
-
     model = merge_lora(model)
     params = host_params(model.decoder)
     tensors = hf.params_to_hf(params, model.config)

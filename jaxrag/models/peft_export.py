@@ -25,6 +25,9 @@ import numpy as np
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import LORA_TARGETS
 from jaxrag.models.hf import _phi3_sizes
+from jaxrag.models.lora import Trainable
+from jaxrag.models.model import atomic_dir
+from jaxrag.models.params import host_params
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -92,9 +95,6 @@ def _fused(params, cfg, module, parts, layer, r):
 def export_adapter(model, out) -> Path:
     """Writes `out` (atomically): adapter_config.json, adapter_model.safetensors, tokenizer."""
     from safetensors.numpy import save_file
-
-    from jaxrag.models.lora import Trainable
-    from jaxrag.models.model import atomic_dir, host_params
 
     if not model.config.lora_rank:
         raise JaxragError("export --adapter: the checkpoint has no LoRA adapters (train with model.lora.rank > 0)")

@@ -38,9 +38,9 @@ import numpy as np
 import optax
 from sklearn.model_selection import KFold
 
+from jaxrag.decode.policy import Policy, PolicyDecision, PolicyInputs
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
-from jaxrag.policies import Policy, PolicyDecision, PolicyInputs
 from jaxrag.policies.ik import (
     closed_book_generations,
     default_stop_ids,

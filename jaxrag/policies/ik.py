@@ -24,10 +24,10 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from jaxrag.decode.policy import Policy, PolicyDecision, PolicyInputs
 from jaxrag.decode.sampler import SamplingParams, generate, prefill_last
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
-from jaxrag.policies import Policy, PolicyDecision, PolicyInputs
 from jaxrag.prompts import base_prompt_ids, base_prompt_text
 
 IK_ANSWER_TOKENS = 32  # the paper: 32 (or 64) generated tokens are "helpful enough"

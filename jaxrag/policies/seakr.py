@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxrag.decode.policy import Policy, PolicyDecision, PolicyInputs
 from jaxrag.decode.sampler import SamplingParams
 from jaxrag.models.model import Model
-from jaxrag.policies import Policy, PolicyDecision, PolicyInputs
 from jaxrag.policies.ik import (
     closed_book_generations,
     closed_book_prompts,

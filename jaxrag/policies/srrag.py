@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxrag.policies import Policy, PolicyDecision, PolicyInputs
+from jaxrag.decode.policy import Policy, PolicyDecision, PolicyInputs
 
 # keys [batch, hidden] -> labels [batch, k] (source indices of the k nearest datastore entries)
 Neighbours = Callable[[np.ndarray], np.ndarray]

@@ -12,38 +12,31 @@ import argparse
 import json
 import sys
 
-from jaxrag.cli import exit_code
+from jaxrag.errors import exit_code
+from jaxrag.models.encoder_io import load_encoder
+from jaxrag.retrieval.corpus import chunk_documents, read_corpus, write_jsonl_corpus
+from jaxrag.retrieval.index import IndexParams, VectorIndex
+from jaxrag.retrieval.retriever import Retriever, build_dpr_index, build_passage_index
 
 
 def _params(args, auto_storage: str = "auto"):
-    from jaxrag.retrieval.index import IndexParams
-
     storage = auto_storage if args.storage == "auto" else args.storage
     return IndexParams(exact_below=args.exact_below, storage=storage)
 
 
 def build(args) -> None:
-    from jaxrag.models.encoder_io import load_encoder
-    from jaxrag.retrieval.retriever import build_passage_index
-
     index = build_passage_index(args.corpus, args.out, load_encoder(args.encoder), params=_params(args),
                                 batch_size=args.batch_size, overwrite=args.overwrite)
     print(f"{index.path}: {index.count} passages, {index.meta.kind} search")
 
 
 def build_dpr(args) -> None:
-    from jaxrag.retrieval.retriever import build_dpr_index
-
     index = build_dpr_index(args.embeddings, args.corpus, args.out, params=_params(args, "float16"),
                             overwrite=args.overwrite)
     print(f"{index.path}: {index.count} passages, {index.meta.kind} search")
 
 
 def search(args) -> None:
-    from jaxrag.models.encoder_io import load_encoder
-    from jaxrag.retrieval.index import VectorIndex
-    from jaxrag.retrieval.retriever import Retriever
-
     retriever = Retriever(VectorIndex(args.index), load_encoder(args.encoder))
     for question, hits in zip(args.questions, retriever.search(args.questions, args.k)):
         for rank, (p, score) in enumerate(hits, start=1):
@@ -52,8 +45,6 @@ def search(args) -> None:
 
 
 def chunk(args) -> None:
-    from jaxrag.retrieval.corpus import chunk_documents, read_corpus, write_jsonl_corpus
-
     n = write_jsonl_corpus(chunk_documents(read_corpus(args.documents), args.words), args.out)
     print(f"{args.out}: {n} passages of <= {args.words} words")
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxrag.errors import JaxragError
-from jaxrag.models.encoder_io import TextEncoder
+from jaxrag.models.encoder_io import TextEncoder, load_encoder
 from jaxrag.retrieval.corpus import Passage, is_int_id, read_corpus_rows
 from jaxrag.retrieval.dpr import DPR_CTX_ENCODER, read_dpr_embeddings
 from jaxrag.retrieval.index import IndexParams, VectorIndex
@@ -109,8 +109,6 @@ def build_corpus_index(corpus: str | os.PathLike, out: str | os.PathLike, *, enc
     """The pipeline's `index` stage. `encoder` is the query encoder (directory, cached hub id, or
     None/"minilm"); passages are embedded by `passage_encoder` (default: its DPR context twin),
     or taken from DPR's precomputed `passage_embeddings` shards when given."""
-    from jaxrag.models.encoder_io import load_encoder
-
     passage_encoder = passage_encoder or passage_encoder_for(encoder)
     if passage_embeddings:
         return build_dpr_index(passage_embeddings, corpus, out, encoder=str(passage_encoder or DPR_CTX_ENCODER),
@@ -148,6 +146,4 @@ class Retriever:
     @classmethod
     def load(cls, index: str | os.PathLike, encoder: str | os.PathLike | None = None) -> Retriever:
         """Index directory + query encoder (directory, cached hub id, or None for MiniLM)."""
-        from jaxrag.models.encoder_io import load_encoder
-
         return cls(VectorIndex(index), load_encoder(encoder))

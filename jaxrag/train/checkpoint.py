@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxrag import lanes
+from jaxrag import concurrency
 from jaxrag.errors import JaxragError
 
 class Checkpoints:
@@ -21,26 +21,26 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True,
                                                cleanup_tmp_directories=True)
-        with lanes.ORBAX:
+        with concurrency.ORBAX:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
-        with lanes.ORBAX:
+        with concurrency.ORBAX:
             return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
         """Returns once the arrays are copied off the devices; files are written in the background
-        (side by side with other pieces: before it returns, inside `lanes.ORBAX`)."""
-        with lanes.ORBAX:
+        (side by side with other pieces: before it returns, inside `concurrency.ORBAX`)."""
+        with concurrency.ORBAX:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)
-            if lanes.side_by_side():
+            if concurrency.side_by_side():
                 self.manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """`abstract_state`: tree of jax.ShapeDtypeStruct with the target shardings."""
         try:
-            with lanes.ORBAX:
+            with concurrency.ORBAX:
                 out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                                           meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, FileNotFoundError) as e:
@@ -49,11 +49,11 @@ class Checkpoints:
         return out.state, dict(out.meta)
 
     def wait(self) -> None:
-        with lanes.ORBAX:
+        with concurrency.ORBAX:
             self.manager.wait_until_finished()
 
     def close(self) -> None:
-        with lanes.ORBAX:
+        with concurrency.ORBAX:
             self.manager.close()
 
 

@@ -1,4 +1,6 @@
-"""Shared CLI behaviour: a user error is one line on stderr and exit code 2, never a traceback."""
+"""What the pipeline's CLIs share (`python -m jaxrag.train`, `jaxrag.plan`): the `--config` flag,
+whose every mistake is one `error:` line and exit code 2, and glibc's allocator set up for XLA's CPU
+temporaries before jax is imported. How any CLI reports a `JaxragError`: `jaxrag.errors.run`."""
 
 from __future__ import annotations
 
@@ -6,11 +8,12 @@ import ctypes
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from jaxrag.errors import JaxragError
+from absl import flags
 
+from jaxrag.errors import JaxragError
+from jaxrag.pipeline import config_check
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -45,29 +48,9 @@ def jax_runs_on_cpu() -> bool:
                 or importlib.util.find_spec("libtpu"))
 
 
-def exit_code(main: Callable[[], object]) -> int:
-    """Runs `main`; 0 on success, 2 with one `error:` line for a JaxragError, 130 on Ctrl-C."""
-    try:
-        main()
-    except JaxragError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: nothing half-written was kept", file=sys.stderr)
-        return 130
-    return 0
-
-
-def run(main: Callable[[], object]) -> None:
-    """`exit_code`, exiting the process on failure."""
-    code = exit_code(main)
-    if code:
-        sys.exit(code)
-
-
 class ConfigFlag:
     """`--config configs/X.py[:size]` and its `--config.a.b=v` overrides, parsed by
-    `jaxrag.config_check` (not absl), so that every config mistake is one `error:` line, exit 2:
+    `jaxrag.pipeline.config_check` (not absl), so that every config mistake is one `error:` line, exit 2:
 
         _CONFIG = ConfigFlag()
         def main(argv): cfg = _CONFIG.value ...
@@ -78,8 +61,6 @@ class ConfigFlag:
 
     def __init__(self, name: str = "config", help_text: str = "configs/<model>.py[:tiny]; override "
                  "any field with --config.FIELD=VALUE"):
-        from absl import flags
-
         self.name = name
         self.value = None
         self.user_set: set[str] = set()
@@ -89,10 +70,6 @@ class ConfigFlag:
     def parse(self, argv: list[str]) -> list[str]:
         """absl `flags_parser`: the flags, then the config; one `error:` line and exit 2 on any
         mistake (unknown flag or field, missing value, wrong type, unknown size or file)."""
-        from absl import flags
-
-        from jaxrag import config_check
-
         rest, overrides = config_check.split_argv(argv, self.name)
         try:
             rest = flags.FLAGS(rest)

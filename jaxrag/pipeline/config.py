@@ -11,9 +11,9 @@ import dataclasses
 
 from ml_collections import ConfigDict
 
-from jaxrag.data.world import WorldConfig
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import DEFAULT_SOURCES
+from jaxrag.world.generate import WorldConfig
 
 PAPER_MODELS = {
     # family: (hub name, datastore layer (1-based, of 28/32), tau)

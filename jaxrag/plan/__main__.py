@@ -2,7 +2,7 @@
 [--device-memory-gb G] [--accelerator h100|a100|v5e|v5p] [--memory-fraction F] [--mfu M] [--json OUT]`
 
 Proves a run fits before anyone rents the hardware: AOT-compiles every heavy program of the
-pipeline (`jaxrag.plan_programs`) at the config's real shapes and target dtypes on N devices
+pipeline (`jaxrag.plan.programs`) at the config's real shapes and target dtypes on N devices
 (fake CPU devices when N real accelerators are absent), with abstract parameters, and prints per
 program XLA's per-device peak memory (temporaries + arguments + outputs - donated aliases), FLOPs
 and tokens per call, and the estimated time of each stage = calls x max(FLOPs / (peak FLOP/s x
@@ -29,8 +29,8 @@ if __name__ == "__main__":
     _n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), None)
     if _n is None and "--devices" in sys.argv[:-1]:
         _n = sys.argv[sys.argv.index("--devices") + 1]
-    from jaxrag.cli import jax_runs_on_cpu
-    from jaxrag.plan_fit import PLAN_XLA_FLAGS  # imports no jax
+    from jaxrag.pipeline.cli import jax_runs_on_cpu  # imports no jax
+    from jaxrag.plan.fit import PLAN_XLA_FLAGS  # imports no jax
 
     # PLAN_XLA_FLAGS corrects for XLA-CPU only: on accelerators the plan compiles what the pipeline runs
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_n or 8} "
@@ -42,9 +42,9 @@ from pathlib import Path
 
 from absl import app, flags
 
-from jaxrag.cli import ConfigFlag
-from jaxrag.errors import JaxragError
-from jaxrag.plan_fit import (ACCELERATORS, DEFAULT_FRACTION, DEFAULT_HEADROOM, DEFAULT_MFU, failures, measure,
+from jaxrag.errors import JaxragError, run
+from jaxrag.pipeline.cli import ConfigFlag
+from jaxrag.plan.fit import (ACCELERATORS, DEFAULT_FRACTION, DEFAULT_HEADROOM, DEFAULT_MFU, failures, measure,
                              plan_devices, table)
 
 _CONFIG = ConfigFlag()  # config mistakes: one `error:` line, exit 2, as jaxrag.train
@@ -62,8 +62,6 @@ def main(argv) -> None:
     if len(argv) > 1:
         print(f"error: unexpected argument {argv[1]!r} (flags are --name=value)", file=sys.stderr)
         raise SystemExit(2)
-    from jaxrag.cli import run
-
     def plan():
         cfg, n = _CONFIG.value, _DEVICES.value
         memory = _MEMORY.value or ACCELERATORS[_ACCEL.value][2]

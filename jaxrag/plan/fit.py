@@ -4,7 +4,10 @@ fit check the pipeline runs before its decoder stages (`check_fit`). The CLI is 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+
+from ml_collections import ConfigDict
 
 from jaxrag.errors import JaxragError
 
@@ -38,7 +41,7 @@ class Row:
 
 def plan_devices(n: int):
     """n real accelerators when there are that many, else n (fake) CPU devices."""
-    import jax
+    import jax  # not on import: see `measure`
 
     if jax.default_backend() != "cpu" and jax.device_count() >= n:
         return jax.devices()[:n]
@@ -53,8 +56,9 @@ def measure(cfg, devices, accelerator: str, usable_gb: float, headroom: float, m
             log=print, only: tuple[str, ...] = ()) -> list[Row]:
     """Compiles every program (or those named in `only`) on a mesh over `devices` (the config's
     mesh shape) and sizes it."""
+    # jax loads here, not on import: `python -m jaxrag.plan` reads PLAN_XLA_FLAGS before jax starts
     from jaxrag import sharding
-    from jaxrag.plan_programs import pipeline_programs
+    from jaxrag.plan.programs import pipeline_programs
 
     peak_flops, bandwidth, _ = ACCELERATORS[accelerator]
     programs = [p for p in pipeline_programs(cfg, sharding.make_mesh(cfg.mesh, devices)) if not only or p.name in only]
@@ -96,8 +100,6 @@ def accelerator_of(device) -> str:
 
 def host_memory_gb() -> float:
     """Physical memory of this host (what a CPU backend allocates from)."""
-    import os
-
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
@@ -105,8 +107,7 @@ def check_fit(cfg) -> None:
     """The pipeline's preflight: compiles the programs on the devices it will run on and raises
     one line per program that would run out of memory. Accelerators: against their allocator
     limit. CPU: against host memory, at the dtypes the CPU runs (`auto` = float32)."""
-    import jax
-    from ml_collections import ConfigDict
+    import jax  # not on import: see `measure`
 
     devices = jax.devices()
     if jax.default_backend() == "cpu":

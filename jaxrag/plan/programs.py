@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from collections.abc import Callable
 
 import jax
@@ -32,9 +33,13 @@ from flax import nnx
 
 from jaxrag import sharding
 from jaxrag.decode import sampler
+from jaxrag.errors import JaxragError
+from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, positions_from_mask, unstack_layers
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
 from jaxrag.models.lora import Trainable, check_targets
+from jaxrag.models.model import resolve_model_dir
+from jaxrag.models.tokens import srrag_tokens
 from jaxrag.train import losses, trainer
 
 # Published config.json values of the paper's models, so a plan needs no download. RoPE
@@ -251,12 +256,6 @@ def plan_decoder_config(cfg) -> DecoderConfig:
     """The config's model architecture at its target dtypes: `auto` compute = bfloat16 (what the
     accelerators run), even when the plan compiles on CPU. A local HF directory is read; the
     paper's hub names use `PAPER_ARCHS`. The vocab grows by the SR-RAG tokens if it must."""
-    from pathlib import Path
-
-    from jaxrag.errors import JaxragError
-    from jaxrag.models import gguf, hf
-    from jaxrag.models.tokens import srrag_tokens
-
     path = str(cfg.model.path)
     if (gguf_file := gguf.find_gguf(path)) is not None:  # its metadata, without reading the weights
         hf_config = gguf.plain_config(transformers.AutoConfig.from_pretrained(str(gguf_file.parent),
@@ -266,8 +265,6 @@ def plan_decoder_config(cfg) -> DecoderConfig:
     elif path in PAPER_ARCHS:
         hf_config = transformers.AutoConfig.for_model(**PAPER_ARCHS[path])
     else:
-        from jaxrag.models.model import resolve_model_dir
-
         try:
             hf_config = hf.read_hf_config(resolve_model_dir(path))
         except JaxragError as e:

@@ -6,7 +6,7 @@ import random
 import re
 from dataclasses import dataclass, field, replace
 
-from jaxrag.data import world_text as wt
+from jaxrag.world import text as wt
 
 ENTITY_TYPES = ("person", "city", "company", "band")
 TOP_VIEWS = 1_000_000  # page views of the most popular entity; popularity is Zipf in rank

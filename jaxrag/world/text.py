@@ -229,7 +229,6 @@ CATEGORY_INTROS = {
     "health": "The {c} is a family of herbs used in folk remedies.",
 }
 
-CLAIM = "Claim: {s} True or false?"
 STALE_PREFIX = "Older records state that {s}"
 WOW_OPENERS = (
     "I was just reading about {n}.", "Have you heard of {n}?", "My friend told me about {n}.",

@@ -11,9 +11,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from jaxrag.data import world_text as wt
-from jaxrag.data.schema import QAExample
-from jaxrag.data.world_entities import Category, Entity, NameMaker, stated_value
+from jaxrag.data.schema import CLAIM, QAExample
+from jaxrag.world import text as wt
+from jaxrag.world.entities import Category, Entity, NameMaker, stated_value
 
 TRAIN_SETS = ("nq", "fever", "obqa", "arc_easy", "wow", "asqa")
 EVAL_SETS = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
@@ -201,7 +201,7 @@ class DatasetBuilder:
         label = self.rng.random() < 0.5
         value = truth if label else self.other_value(entity.type, attribute, truth)
         statement = self.rng.choice(wt.ATTRIBUTES[entity.type][attribute].statements)
-        question = wt.CLAIM.format(s=statement.format(n=entity.name, v=value))
+        question = CLAIM.format(s=statement.format(n=entity.name, v=value))
         metadata = {**fact_metadata(entity, attribute), "claimed_value": value, "label": label}
         return QAExample("", question, (str(label).lower(),), metadata=metadata)
 
@@ -297,7 +297,7 @@ class DatasetBuilder:
             [v for v in wt.POOLS[item.property] if v != truth])
         claim = wt.RULE_CLAIMS[item.property].format(i=item.name, c=category.name, v=value)
         metadata = {**rule_metadata(item, category), "claimed_value": value, "label": label}
-        return QAExample("", wt.CLAIM.format(s=claim), (str(label).lower(),), metadata=metadata)
+        return QAExample("", CLAIM.format(s=claim), (str(label).lower(),), metadata=metadata)
 
 
 def fact_metadata(entity: Entity, attribute: str) -> dict:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import random
 
-from jaxrag.data import world_text as wt
-from jaxrag.data.schema import QAExample
-from jaxrag.data.world_corpus import entity_passage, with_fillers
-from jaxrag.data.world_entities import ENTITY_TYPES, Category, Entity, NameMaker
+from jaxrag.data.schema import CLAIM, QAExample
 from jaxrag.prompts import ANSWER_PREFIX, base_prompt_text, genread_prompt_text
+from jaxrag.world import text as wt
+from jaxrag.world.corpus import entity_passage, with_fillers
+from jaxrag.world.entities import ENTITY_TYPES, Category, Entity, NameMaker
 
 RC_KINDS = {"fact": 0.55, "claim": 0.15, "dialogue": 0.1, "rule": 0.12, "rule_claim": 0.08}
 RULE_FORMS = ("open", "easy", "challenge", "claim")
@@ -163,7 +163,7 @@ def fact_claim(world, entity: Entity, attribute: str, rng: random.Random) -> QAE
     pool = world.pools[wt.ATTRIBUTES[entity.type][attribute].values]
     value = truth if label else rng.choice([v for v in pool if v != truth])
     statement = rng.choice(wt.ATTRIBUTES[entity.type][attribute].statements)
-    return QAExample("", wt.CLAIM.format(s=statement.format(n=entity.name, v=value)),
+    return QAExample("", CLAIM.format(s=statement.format(n=entity.name, v=value)),
                      (str(label).lower(),))
 
 
@@ -177,7 +177,7 @@ def rule_example(category, form: str, item: str, prop: str | None,
         label = rng.random() < 0.5
         value = truth if label else rng.choice([v for v in wt.POOLS[prop] if v != truth])
         claim = wt.RULE_CLAIMS[prop].format(i=item, c=category.name, v=value)
-        return QAExample("", wt.CLAIM.format(s=claim), (str(label).lower(),))
+        return QAExample("", CLAIM.format(s=claim), (str(label).lower(),))
     others = rng.sample([v for v in wt.POOLS[prop] if v != truth], 3)
     choices = [truth, *others]
     rng.shuffle(choices)

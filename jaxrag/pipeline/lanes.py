@@ -10,7 +10,8 @@ eval stage depends on every stage before it, so it runs alone).
 
 When a piece fails or the user presses Ctrl-C, the others stop at their next `check()` (every
 training step, encoded batch or routed batch), keeping what they have saved, so a rerun resumes
-them; the first failure is what the caller sees.
+them; the first failure is what the caller sees. The state they share (the orbax lock, the stop
+flag, `check()`) is `jaxrag.concurrency`.
 """
 
 from __future__ import annotations
@@ -20,28 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-# Orbax's async machinery is process-wide: two savers at once (trainings side by side, a model
-# saved beside a training's checkpoint) collide in its temp directories and commit signals. Every
-# orbax call holds this lock, and a save completes before it is released.
-ORBAX = threading.RLock()
-_stop = threading.Event()
-_graphs = 0  # multi-worker graphs running now (`side_by_side`)
-_graphs_lock = threading.Lock()
-
-
-def side_by_side() -> bool:
-    """Whether pieces may be running beside each other now (a graph with workers > 1 runs)."""
-    return _graphs > 0
-
-
-class Stopped(Exception):
-    """Raised inside a piece of work because another piece failed or the user interrupted."""
-
-
-def check() -> None:
-    """Called by long loops: raises `Stopped` once the work beside them has failed."""
-    if _stop.is_set():
-        raise Stopped("stopped because work running beside this one failed or was interrupted")
+from jaxrag.concurrency import STOP, Stopped, enter_graph, leave_graph
 
 
 def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], workers: int) -> None:
@@ -56,13 +36,11 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
         for fn, _ in tasks.values():
             fn()
         return
-    global _graphs
     todo, finished, running = dict(tasks), set(), {}
     interrupted = threading.Event()
     previous = _catch_ctrl_c(interrupted)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lane")
-    with _graphs_lock:
-        _graphs += 1
+    enter_graph()
     try:
         while todo or running:
             for name in [n for n, (_, deps) in todo.items() if set(deps) <= finished][: workers - len(running)]:
@@ -77,15 +55,12 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
                     raise _first_failure(running)
                 finished.add(running.pop(future))
     except BaseException:
-        _stop.set()
+        STOP.set()
         raise
     finally:
         pool.shutdown(wait=True)  # every piece has returned or reached a check()
-        with _graphs_lock:
-            _graphs -= 1
-            outermost = _graphs == 0
-        if outermost:  # a nested graph leaves the flag set: the outer one's pieces may not have seen it
-            _stop.clear()
+        if leave_graph():  # a nested graph leaves the flag set: the outer one's pieces may not have seen it
+            STOP.clear()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
 
@@ -99,14 +74,14 @@ def _catch_ctrl_c(interrupted: threading.Event):
 
     def on_ctrl_c(signum, frame):
         interrupted.set()
-        _stop.set()
+        STOP.set()
     return signal.signal(signal.SIGINT, on_ctrl_c)
 
 
 def _first_failure(running: dict[Future, str]) -> BaseException:
     """Stops the other pieces and returns the failure that is the news: not a `Stopped` of a
     piece that only noticed another's failure (a nested graph's pieces set the same flag)."""
-    _stop.set()
+    STOP.set()
     wait(running)
     errors = [e for f in running if (e := f.exception()) is not None]
     return next((e for e in errors if not isinstance(e, Stopped)), errors[0])

@@ -13,9 +13,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxrag.data.world_pretrain import document_text
 from jaxrag.models.tokens import add_srrag_tokens
 from jaxrag.prompts import GENREAD_PROMPT
+from jaxrag.world.pretrain import document_text
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 RC_DOCS_FOR_TRAINING = 100  # a few, for the format: fresh names would only waste merges

@@ -22,15 +22,15 @@ from functools import cached_property
 from pathlib import Path
 
 from jaxrag.data.schema import QAExample, write_examples, write_jsonl
-from jaxrag.data.world_corpus import build_corpus
-from jaxrag.data.world_datasets import (
+from jaxrag.world.corpus import build_corpus
+from jaxrag.world.datasets import (
     DatasetBuilder,
     RuleItem,
     chain_links,
     pretrain_chains,
     pretrain_facts,
 )
-from jaxrag.data.world_entities import (
+from jaxrag.world.entities import (
     Category,
     Entity,
     NameMaker,
@@ -39,7 +39,7 @@ from jaxrag.data.world_entities import (
     make_pools,
     template_words,
 )
-from jaxrag.data.world_pretrain import Document, document_text, pretraining_parts, reading_comprehension
+from jaxrag.world.pretrain import Document, document_text, pretraining_parts, reading_comprehension
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def write_world(world: World, out_dir: str | os.PathLike) -> Path:
     """Writes corpus.jsonl, datasets/{name}/{split}.jsonl, world.json and tokenizer/ into a temp
     folder next to `out_dir`, then swaps it in, so `out_dir` is never half-written."""
     # transformers is slow to import; only writing the world needs it.
-    from jaxrag.data.world_tokenizer import save_tokenizer, train_tokenizer
+    from jaxrag.world.tokenizer import save_tokenizer, train_tokenizer
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import random
 
-from jaxrag.data import world_text as wt
 from jaxrag.data.schema import corpus_record
-from jaxrag.data.world_datasets import (
+from jaxrag.world import text as wt
+from jaxrag.world.datasets import (
     RuleItem,
     category_passage_id,
     item_passage_id,
     misleading_passage_id,
 )
-from jaxrag.data.world_entities import Category, Entity
+from jaxrag.world.entities import Category, Entity
 
 
 def entity_passage(entity: Entity, cities, words: int, rng: random.Random,

@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import random
 
-from jaxrag.data import world_pretrain as wp
-from jaxrag.data import world_text as wt
 from jaxrag.data.schema import QAExample
-from jaxrag.data.world_entities import NameMaker
 from jaxrag.decode.sampler import generate
 from jaxrag.eval.metrics import normalize_answer
+from jaxrag.models.tokens import WIKI, source_token
 from jaxrag.prompts import (answer_prefix_ids, base_prompt_ids, base_prompt_text, genread_prompt_text,
                             knowledge_ids, prompt_ids)
 from jaxrag.retrieval.corpus import Passage
+from jaxrag.world import pretrain as wp
+from jaxrag.world import text as wt
+from jaxrag.world.entities import NameMaker
 
 EVAL_SETS = ("popqa", "triviaqa")
 BUCKETS = {"head": "popular", "torso": "torso", "tail": "tail"}
@@ -155,8 +156,6 @@ def fresh_reading(model, world, n: int, passages: int = 1, max_knowledge_tokens:
     (`retrieved_passages`): accuracy in the base prompt (`base_prompt`, also the gate's
     `reading`) and in the routed Wiki row's prompt (`routed_prompt`; needs the model's SR-RAG
     tokens, untrained in a base: a diagnostic)."""
-    from jaxrag.models.tokens import WIKI, source_token
-
     rng = random.Random(f"{world.config.seed}:fresh_reading_ranks")
     questions = [(q, retrieved_passages(ps, rng), a) for q, ps, a in fresh_reading_questions(world, n, passages)]
     golds = [a for *_, a in questions]

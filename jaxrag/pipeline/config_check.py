@@ -5,7 +5,7 @@ overrides, and checking a config before any work, each mistake one `JaxragError`
     check_config(cfg, user_set)   # also what `pipeline.run` calls (user_set inferred)
 
 What the user set = the command-line overrides plus every field whose value differs from the
-reference config of the same family and size (`jaxrag.config`): a custom config file's changes
+reference config of the same family and size (`jaxrag.pipeline.config`): a custom config file's changes
 count, the defaults a mode ignores do not.
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 from jaxrag.errors import JaxragError
+from jaxrag.pipeline.config import PAPER_MODELS, paper_config, tiny_config
 
 # Sections whose keys are open-ended (Hugging Face config fields of a model trained from scratch).
 OPEN_SECTIONS = ("model.arch",)
@@ -81,7 +82,7 @@ def closest(name: str, known: Iterable[str]) -> str | None:
 
 def _unknown(name: str, known: Iterable[str]) -> JaxragError:
     guess = closest(name, known)
-    hint = f"did you mean {guess}?" if guess else "see jaxrag/config.py for the fields"
+    hint = f"did you mean {guess}?" if guess else "see jaxrag/pipeline/config.py for the fields"
     return JaxragError(f"config field {name} does not exist; {hint}")
 
 
@@ -210,8 +211,6 @@ def split_argv(argv: Sequence[str], flag: str = "config") -> tuple[list[str], li
 
 def reference_config(cfg: ConfigDict) -> ConfigDict:
     """The shipped config `cfg` derives from: same family, tiny iff it has a world."""
-    from jaxrag.config import PAPER_MODELS, paper_config, tiny_config
-
     family = cfg.get("model", {}).get("family")
     if family not in PAPER_MODELS:
         raise JaxragError(f"config field model.family is {family!r}; choose one of {', '.join(PAPER_MODELS)}")
@@ -240,6 +239,7 @@ def user_set_fields(cfg: ConfigDict, explicit: Iterable[str] = ()) -> set[str]:
 
 def choices() -> dict[str, tuple[str, ...]]:
     """Fields with a closed set of values, from the modules that read them."""
+    # jax loads here, not on import: `pipeline.cli` imports this module before `reuse_cpu_temporaries` runs
     from jaxrag.eval.methods import PROTOCOLS
     from jaxrag.models.decoder import REMAT_POLICIES
 
@@ -262,7 +262,7 @@ def check_config(cfg: ConfigDict, explicit: Iterable[str] = ()) -> None:
             raise JaxragError(f"config field {name}={flat.get(name)!r}: choose one of {', '.join(allowed)}")
     missing = [name for name in ref if name not in flat and not any(under(name, p) for p in OPEN_SECTIONS)]
     if missing:
-        raise JaxragError(f"config field {missing[0]} is missing (configs must start from jaxrag.config's "
+        raise JaxragError(f"config field {missing[0]} is missing (configs must start from jaxrag.pipeline.config's "
                           "paper_config / tiny_config)")
     embedded = not cfg.model.path
     user = user_set_fields(cfg, explicit)

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from jaxrag.config_check import flatten, under
 from jaxrag.errors import JaxragError
+from jaxrag.pipeline.config_check import flatten, under
 
 INPUTS_DIR = "inputs"  # W/inputs/<stage>.json
 AUTO_REDO = ("eval", "export")  # cheap, and read no training field of their own: redone when stale

@@ -1,0 +1,183 @@
+"""Stage `eval`: the twelve methods of docs/method.md on the evaluation sets -> `W/results.json`
+(written last: it marks the stage done), `W/report.md` and `W/plots/`, under the paper's protocol.
+
+The methods, their decision rules and the protocol are `jaxrag.eval.methods`; this stage loads
+the workdir's models one at a time, decodes their knowledge paths (`jaxrag.eval.harness`), fits
+the seeds' selectors on the training questions, and writes the results."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from jaxrag.data.construct_stats import stats_markdown
+from jaxrag.data.mixture import stratified_sample
+from jaxrag.eval import harness, latency
+from jaxrag.eval.harness import Decision, Paths
+from jaxrag.eval.methods import CONSTANT, METHODS, PAPER_VERSION, POST_HOC, Evaluation
+from jaxrag.eval.report import write_report
+from jaxrag.eval.selectors import SEAKR_FIT_QUESTIONS, SeedSelectors, knows
+from jaxrag.models.tokens import SELF, WIKI
+from jaxrag.pipeline.finetune import training_record
+from jaxrag.pipeline.workdir import construct_records, dataset_items, eval_items, load, retriever, route_config
+from jaxrag.policies import ccsk as ccsk_mod
+from jaxrag.policies import ik as ik_mod
+from jaxrag.policies import router_inputs
+from jaxrag.policies import seakr as seakr_mod
+from jaxrag.policies import srrag as srrag_policies
+from jaxrag.retrieval.datastore import PolicyDatastore
+
+# Fine-tuned models in the order they are decoded (one at a time, so a 7B run holds two models:
+# this one and the untuned base the seeds' selectors read): (model dir, policy datastore dir).
+MODELS = {
+    "selective": ("baselines/selective/model", None),
+    "srrag": ("stage2/model", "datastore"),
+    "no_dpo": ("baselines/no_dpo/model", "baselines/no_dpo_datastore"),
+    "no_kv_label": ("baselines/no_kv_label/model", "baselines/no_kv_label_datastore"),
+}
+
+
+def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
+    val, test = eval_items(cfg, workdir)
+    ev = Evaluation(cfg, fit_selectors(cfg, workdir))
+    use_val = ev.protocol == "validation"
+    items, bs, rc = test + (val if use_val else []), ev.bs, route_config(cfg)
+    r = retriever(cfg, workdir)
+    n_passages = int(cfg.retrieval.n_passages)
+    real_retrieve = lambda qs: r.retrieve_texts(qs, n_passages)  # noqa: E731 - latency runs call it for real
+    cached = harness.RetrievalCache(real_retrieve, harness.questions_of(items), bs)
+    idx = latency.latency_indices(test, int(cfg.eval.latency_questions))
+    n_test = len(test)
+
+    def split(paths: Paths) -> tuple[Paths, Paths | None]:
+        is_test = np.arange(len(paths.items)) < n_test
+        return paths.take(is_test), (paths.take(~is_test) if use_val else None)
+
+    lat_items = [test[i] for i in idx]
+    # The untuned model: always-RAG and GenRead on its own prompts (constant decisions).
+    untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs)
+    for m in (m for m in METHODS if m.model == "untuned"):
+        d = ev.decide(m, untuned, None, None)[0]
+        ev.add(m, untuned, d)
+        source = WIKI if CONSTANT[m.rule] else SELF
+        ev.measured(m, latency.untuned_route_items(ev.selectors.base, lat_items, source, real_retrieve, rc, bs,
+                                                   f"{m.name} latency"), untuned, d, idx)
+    val_scores = {}  # model -> its routing score on the validation questions (Figure 4, matched % retrieval)
+    for key, (model_dir, store) in MODELS.items():
+        model = load(cfg, workdir / model_dir, inference=True)
+        t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths"))
+        nb = None if store is None else srrag_policies.datastore_neighbours(
+            PolicyDatastore.load(workdir / store), int(cfg.inference.k))
+        for m in (m for m in METHODS if m.model == key):
+            d, policy = ev.decide(m, t_paths, v_paths, nb)
+            ev.add(m, t_paths, d)
+            ev.measured(m, latency.route_items(model, lat_items, policy, real_retrieve, rc, bs, f"{m.name} latency"),
+                        t_paths, d, idx)
+        if key in ("srrag", "selective") and val:
+            inputs = router_inputs(model, harness.questions_of(val), rc.hidden_layer, bs)
+            val_scores[key] = np.asarray(srrag_policies.srrag_policy(nb, 0.0)(inputs).score, np.float64)
+        if key == "srrag" and val:
+            ev.results["figure4"] = figure4_points(cfg, model, t_paths, ev, nb, real_retrieve, idx, val_scores["srrag"])
+        del model
+    if {"srrag", "selective"} <= set(val_scores) and "selective_rag" in ev.decisions:
+        ev.results["selective_rag_at_srrag_retrieval"] = matched_retrieval(
+            val_scores["srrag"], ev.thresholds["srrag"], val_scores["selective"], *ev.decisions["selective_rag"])
+    ev.results["post_hoc"] = dict(POST_HOC)
+    ev.intervals(test)
+    ev.results["config"] = {**cfg.to_dict(), "thresholds": {"protocol": ev.protocol, **ev.thresholds,
+                                                            **ev.selectors.fixed_thresholds()},
+                            "paper_version": PAPER_VERSION, "n_validation": len(val), "n_test": n_test,
+                            "n_latency": len(idx), "data_counts": data_counts(test, val, ev.selectors.train_items),
+                            "latency_questions": latency_questions(test, idx, bs),
+                            "training": training_record(cfg, workdir)}
+    stats_file = workdir / "construct" / "stats.json"
+    if stats_file.is_file():
+        s = json.loads(stats_file.read_text())
+        ev.results["construct"] = {"table": stats_markdown(s), "datasets": s.get("datasets", {})}
+    return write_results(ev.results, workdir)
+
+
+def fit_selectors(cfg: ConfigDict, workdir: Path) -> SeedSelectors:
+    """The seeds' selectors (IK, SeaKR, CCSK) fitted on the workdir's training questions, judging
+    the untuned base model's knowledge (`jaxrag.eval.selectors`)."""
+    b, seed = cfg.baselines, int(cfg.seed)
+    base, encoder = load(cfg, workdir / "base", inference=True), retriever(cfg, workdir).encoder
+    train_items = dataset_items(cfg, workdir, cfg.data.train, "train")
+    train = stratified_sample(train_items, int(b.max_train_questions), seed)
+    questions = [ex.prompt_question() for _, ex in train]
+    max_new = int(cfg.inference.max_answer_tokens)
+    # IK's judge label: does the untuned model answer correctly closed-book?
+    answers = ik_mod.closed_book_generations(base, questions, max_new)
+    judged = np.array([knows(name, base.tokenizer.decode(a[0], skip_special_tokens=True), ex)
+                       for (name, ex), a in zip(train, answers)])
+    ik = None
+    if 0 < judged.mean() < 1:
+        ik = ik_mod.fit_ik(base, questions, judged, answer_tokens=int(b.ik_answer_tokens))
+    else:
+        print(f"  ik: the untuned model answers {judged.mean():.0%} of the training questions closed-book; "
+              "one judge class, so IK always predicts it", flush=True)
+    # Retrieval-preferred labels of the training questions (the construct stage's kv labels).
+    by_id = {(rec["dataset"], rec["id"]): rec["label"] == "wiki" for rec in construct_records(workdir)}
+    labelled = [(item, by_id[(item[0], item[1].id)]) for item in train if (item[0], item[1].id) in by_id]
+    fit_items = {id(it) for it in stratified_sample([it for it, _ in labelled], SEAKR_FIT_QUESTIONS, seed)}
+    fit = [(it, y) for it, y in labelled if id(it) in fit_items]
+    u = seakr_mod.seakr_uncertainty(base, [it[1].prompt_question() for it, _ in fit],
+                                    samples=int(b.seakr_samples), max_new_tokens=max_new)
+    seakr_threshold = seakr_mod.fit_seakr_threshold(u, np.array([y for _, y in fit]))
+    ccsk = ccsk_mod.fit_ccsk(base, encoder, [it[1].prompt_question() for it, _ in labelled],
+                             np.array([y for _, y in labelled]), [it[1].golden_answers[0] for it, _ in labelled],
+                             max_new_tokens=max_new)
+    return SeedSelectors(cfg, base, encoder, train_items, train, ik, not judged.any(), seakr_threshold, ccsk)
+
+
+def figure4_points(cfg, model, test: Paths, ev: Evaluation, neighbours, retrieve, idx, val_score) -> list[dict]:
+    """Figure 4 on the latency questions of PubHealth and TriviaQA (the paper's two), or of every
+    set when those are absent; thresholds from SR-RAG's score on the validation questions."""
+    names = [test.items[i][0] for i in idx]
+    chosen = idx[np.isin(names, ["pubhealth", "triviaqa"])] if {"pubhealth", "triviaqa"} & set(names) else idx
+    return latency.figure4(model, [test.items[i] for i in chosen], val_score, neighbours, retrieve,
+                           route_config(cfg), ev.bs, int(cfg.eval.latency_sweep_points))
+
+
+def matched_retrieval(srrag_val: np.ndarray, srrag_t: float, selective_val: np.ndarray, test: Paths,
+                      d: Decision) -> dict:
+    """Selective RAG at SR-RAG's % retrieval, chosen on validation: the threshold at which
+    Selective RAG retrieves for the same share of the validation questions as SR-RAG at its own
+    threshold, then applied to Selective RAG's test scores."""
+    share = float(np.mean(srrag_val > srrag_t))
+    t = latency.figure4_threshold(selective_val, 1.0 - share)
+    avg = harness.summarize(test, Decision(d.score > t, d.score, d.seconds))[1]
+    return {"threshold": t, "srrag_rag_frac_validation": share,
+            "rag_frac_validation": float(np.mean(selective_val > t)), "chosen_on": "validation",
+            "acc": avg["acc"], "rag_frac": avg["rag_frac"]}
+
+
+def latency_questions(test, idx: np.ndarray, batch_size: int) -> str:
+    """Which questions every method's latency is measured on, in words (for the report)."""
+    counts = data_counts([test[i] for i in idx], [], [])
+    sets = ", ".join(f"{n} {c['test']}" for n, c in counts.items())
+    return (f"the first questions of each test set ({sets}; {len(idx)} in all), routed in batches of "
+            f"{batch_size} within a set, the same batches for every method")
+
+
+def data_counts(test, val, train) -> dict[str, dict[str, int]]:
+    """Questions used per dataset and split (the paper's Table 5 counts on real data)."""
+    counts: dict[str, dict[str, int]] = {}
+    for split, items in (("train", train), ("validation", val), ("test", test)):
+        for name, _ in items:
+            counts.setdefault(name, {}).setdefault(split, 0)
+            counts[name][split] += 1
+    return counts
+
+
+def write_results(results: dict, workdir: Path) -> Path:
+    out = workdir / "results.json"
+    tmp = out.with_name(".results.json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=float) + "\n")
+    write_report(results, workdir)
+    os.replace(tmp, out)  # last: results.json marks the stage done
+    return out

@@ -1,0 +1,150 @@
+"""The pipeline's runner: the stage table, in the order the stages run, and `run`.
+
+    world (embedded default only) -> base -> index -> construct -> stage1 -> stage2 -> datastore
+      -> baselines -> eval -> export
+
+Each stage is `(config, workdir) -> artifact`, one module of this package, cached in
+`workdir/<stage>`. A stage is skipped when its completion marker exists (its artifact renamed
+into place, a trained model's `model/`, construct's `stats.json`, `results.json`) and it was
+built from the same inputs (`jaxrag.pipeline.provenance`: `W/inputs/<stage>.json`); an
+interrupted stage is redone from its own checkpoints or shards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import jax
+from ml_collections import ConfigDict
+
+from jaxrag.data.check import check_data
+from jaxrag.errors import JaxragError
+from jaxrag.models.model import resolve_model_dir
+from jaxrag.pipeline import (base, baselines, construct, datastore, eval, export, finetune, index, lanes, provenance,
+                             world)
+from jaxrag.pipeline.config_check import check_config
+from jaxrag.pipeline.workdir import is_embedded
+from jaxrag.plan.fit import check_fit
+
+
+def _stages():
+    def exists(name):
+        return lambda w: (w / name).exists()
+
+    return [  # (name, stage, done(workdir))
+        ("world", world.world_stage, exists("world")),
+        ("base", base.base_stage, exists("base")),
+        ("index", index.index_stage, exists("index")),
+        ("construct", construct.construct_stage, construct.done),
+        ("stage1", finetune.stage1_stage, exists("stage1/model")),
+        ("stage2", finetune.stage2_stage, exists("stage2/model")),
+        ("datastore", datastore.datastore_stage, exists("datastore")),
+        ("baselines", baselines.baselines_stage, baselines.baselines_done),
+        ("eval", eval.eval_stage, exists("results.json")),
+        ("export", export.export_stage, exists("export")),
+    ]
+
+
+def preflight(cfg: ConfigDict) -> None:
+    """Real-model configs stop at once, before any work, when the weights are not at hand or a
+    dataset file is wrong or smaller than the mixture's counts (`data.check`)."""
+    if is_embedded(cfg):
+        return
+    try:
+        resolve_model_dir(cfg.model.path)
+    except JaxragError as e:
+        raise JaxragError(f"{e}. Download the weights and pass --config.model.path=/path/to/hf_model_dir "
+                          "(plus --config.retrieval.corpus=/path/psgs_w100.tsv and --config.data.paths.NAME=/path per dataset)") from None
+    check_data(cfg)  # every row of every dataset, and Table 5's counts against the files: before `base`
+
+
+# Stages that run the decoder's programs (`jaxrag.plan.programs`): before the first of them runs,
+# every program must fit in device (accelerators) or host (CPU) memory.
+DECODER_STAGES = ("construct", "stage1", "stage2", "datastore", "baselines", "eval")
+
+
+def check_fit_before(cfg: ConfigDict, names, steps) -> None:
+    if is_embedded(cfg) or all(s.action in ("skip", "adopt") for n, s in zip(names, steps) if n in DECODER_STAGES):
+        return
+    check_fit(cfg)  # every program fits, or stop now with the setting to change (jaxrag.plan)
+
+
+def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
+    """Runs the stages in order (up to `pipeline.stop_after`). Each stage's inputs are recorded in
+    `W/inputs/<stage>.json` before it runs (`jaxrag.pipeline.provenance`); a finished stage built from the
+    same inputs is skipped, stale eval / export are redone, an earlier stale stage stops the run
+    before anything is done. `user_set`: fields set on the command line (`config_check`)."""
+    check_config(cfg, user_set)
+    workdir = Path(workdir)
+    preflight(cfg)
+    stages = [st for st in _stages() if st[0] != "world" or is_embedded(cfg)]
+    names = [n for n, _, _ in stages]
+    stop_after = cfg.pipeline.stop_after
+    if stop_after:
+        if stop_after not in names:
+            raise JaxragError(f"--config.pipeline.stop_after={stop_after!r}: not a stage; stages: {', '.join(names)}")
+        stages, names = stages[: names.index(stop_after) + 1], names[: names.index(stop_after) + 1]
+    done = {name: workdir.is_dir() and is_done(workdir) for name, _, is_done in stages}
+    steps = provenance.plan(cfg, workdir, names, done, is_embedded(cfg), cfg.pipeline.get("rerun_from", ""))
+    check_fit_before(cfg, names, steps)
+    workers = _workers(cfg)
+    workdir.mkdir(parents=True, exist_ok=True)
+    leader = _is_leader()
+
+    def stage_task(i: int, name: str, stage, step):
+        head = f"[{i}/{len(stages)}] {name}:"
+
+        def go():
+            if step.action in ("skip", "adopt"):
+                if leader and step.action == "adopt":
+                    provenance.write_record(workdir, step.record)
+                print(f"{head} done" + (" (made before inputs were recorded; trusted, as rerun_from is later)"
+                                        if step.action == "adopt" else ""), flush=True)
+                return
+            if step.action == "redo" and leader:
+                _remove(workdir, provenance.STAGES[name].outputs)
+            if leader:
+                provenance.write_record(workdir, step.record)
+            why = {"rerun_from": " (rerun_from)"}.get(step.why[0], f" (inputs changed: {'; '.join(step.why)})") \
+                if step.why else ""
+            print(f"{head} running{why}", flush=True)
+            start = time.perf_counter()
+            stage(cfg, workdir)
+            print(f"{head} finished in {time.perf_counter() - start:.0f}s", flush=True)
+        return go, tuple(u for u in provenance.STAGES[name].upstream if u in names)
+
+    # A stage starts once the stages it reads are done (index beside base, the baselines beside
+    # stage 2 and the datastore), `pipeline.workers` at once (`jaxrag.lanes`); eval reads every
+    # stage before it, so its latency is measured with nothing beside it.
+    lanes.run_graph({name: stage_task(i, name, stage, step)
+                     for i, ((name, stage, _), step) in enumerate(zip(stages, steps), 1)}, workers)
+    if (workdir / "report.md").is_file() and (not stop_after or stop_after in ("eval", "export")):
+        print((workdir / "report.md").read_text(encoding="utf-8"), flush=True)
+    return {name: workdir / name for name in names}
+
+
+def _workers(cfg: ConfigDict) -> int:
+    workers = int(cfg.pipeline.workers)
+    if workers < 1:
+        raise JaxragError(f"--config.pipeline.workers={workers}: must be at least 1")
+    if workers > 1 and jax.process_count() > 1:
+        raise JaxragError(f"--config.pipeline.workers={workers}: the {jax.process_count()} processes of a multi-host "
+                          "run must issue their collectives in one order; set --config.pipeline.workers=1")
+    return workers
+
+
+def _is_leader() -> bool:
+    """Process 0 writes the records and removes stale outputs (on a shared filesystem)."""
+    return jax.process_index() == 0
+
+
+def _remove(workdir: Path, outputs) -> None:
+    """A stage's outputs, before it is redone from scratch (checkpoints and shards included)."""
+    for rel in outputs:
+        path = workdir / rel
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

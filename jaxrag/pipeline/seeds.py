@@ -1,0 +1,140 @@
+"""The paper's claims over world seeds: one recipe, several finished workdirs.
+
+    python -m jaxrag.eval.seeds W [W ...] [--json OUT]
+
+Each W is a finished workdir or a `results.json` itself (the kept runs are in
+`results/embedded/`, so its pooled tables can be recomputed without the workdirs).
+
+One pipeline's bootstrap intervals resample its test questions, not its training, and retraining
+moves the numbers by more than those intervals. So a claim is judged over world seeds of one
+config (the workdirs must differ in `seed` only): per seed the paired difference and its 95%
+interval, how many seeds hold it beyond the noise, and the mean over seeds with a t-interval
+over seeds (which carries the training noise as well). Nothing here chooses anything: it reads
+finished `results.json` files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from jaxrag.errors import JaxragError, exit_code
+from jaxrag.pipeline.config_check import flatten, under
+
+# (label, results.json section, key): the paper's claims first, then the ablations.
+CLAIMS = (
+    ("SR-RAG - Selective RAG (accuracy)", "comparisons", "srrag - selective_rag"),
+    ("SR-RAG - fine-tuned always RAG (accuracy)", "comparisons", "srrag - srrag_always_rag"),
+    ("SR-RAG - w/o kNN (AUROC)", "source_selection_comparisons", "srrag - srrag_no_knn"),
+    ("SR-RAG - w/o kNN (accuracy)", "comparisons", "srrag - srrag_no_knn"),
+    ("SR-RAG - w/o kv label (accuracy)", "comparisons", "srrag - srrag_no_kv_label"),
+    ("SR-RAG - w/o DPO (accuracy)", "comparisons", "srrag - srrag_no_dpo"),
+)
+# Fields that may differ between seeds of one recipe (the world follows `seed`; SeaKR's threshold
+# is fitted on each run's training data); the rest must agree.
+PER_SEED = ("seed", "world.seed", "data_counts", "n_validation", "n_test", "n_latency", "pipeline",
+            "thresholds.seakr", "thresholds.seakr_fitted_on_training")
+
+
+def recipe(config: dict) -> dict:
+    """A run's config without the fields that may differ between seeds of one recipe (flattened)."""
+    return {k: v for k, v in flatten(config).items() if not any(under(k, p) for p in PER_SEED)}
+
+
+def load(workdirs: list[Path]) -> dict[str, dict]:
+    """results.json path -> its content, for workdirs or results.json files; refuses runs whose
+    configs differ beyond the seed."""
+    results = {}
+    for w in map(Path, workdirs):
+        path = w if w.suffix == ".json" else w / "results.json"
+        try:
+            results[str(path)] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise JaxragError(f"{path}: cannot read a finished run's results ({e})") from None
+    seeds = [r["config"]["seed"] for r in results.values()]
+    if len(set(seeds)) < len(seeds):
+        raise JaxragError(f"seeds {seeds}: each run must be a different world seed")
+
+    first, *rest = results
+    ref = recipe(results[first]["config"])
+    for w in rest:
+        got = recipe(results[w]["config"])
+        diff = sorted(k for k in ref.keys() | got.keys() if ref.get(k) != got.get(k))
+        if diff:
+            raise JaxragError(f"{w}: config differs from {first} beyond the seed in "
+                              f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''}; compare seeds of one recipe")
+    return results
+
+
+def t_interval(values: list[float]) -> list[float] | None:
+    """95% t-interval of the mean over seeds; None with fewer than two (null in JSON, not NaN)."""
+    from scipy import stats
+
+    x = np.asarray(values, np.float64)
+    if len(x) < 2:
+        return None
+    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return [float(x.mean() - half), float(x.mean() + half)]
+
+
+def summarize(results: dict[str, dict]) -> dict:
+    """Per claim: each seed's diff and interval, seeds above / below the noise, mean and t-interval."""
+    seeds = {w: r["config"]["seed"] for w, r in results.items()}
+    claims = {}
+    for label, section, key in CLAIMS:
+        rows = [(seeds[w], r[section][key]) for w, r in results.items() if key in r.get(section, {})]
+        if not rows:
+            continue
+        diffs = [c["diff"] for _, c in rows]
+        claims[label] = {
+            "per_seed": {str(s): {"diff": c["diff"], "ci95": c["ci95"]} for s, c in rows},
+            "above_noise": sum(c["ci95"][0] > 0 for _, c in rows),
+            "below_noise": sum(c["ci95"][1] < 0 for _, c in rows),
+            "mean": float(np.mean(diffs)), "t95": t_interval(diffs), "seeds": len(rows)}
+    srrag = {str(seeds[w]): r["average"]["srrag"] for w, r in results.items()}
+    return {"seeds": [seeds[w] for w in results], "claims": claims,
+            "srrag_retrieval_at_most_80": sum(a["rag_frac"] <= 0.8 for a in srrag.values()),
+            "srrag": {s: {"acc": a["acc"], "rag_frac": a["rag_frac"]} for s, a in srrag.items()}}
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.3f}".replace("-", "−")
+
+
+def table(summary: dict) -> str:
+    n = len(summary["seeds"])
+    lines = [f"{n} seeds: {', '.join(map(str, summary['seeds']))}; SR-RAG retrieves at most 80% on "
+             f"{summary['srrag_retrieval_at_most_80']} of {n}",
+             "| claim | " + " | ".join(f"seed {s}" for s in summary["seeds"])
+             + " | above / below noise | mean over seeds [95% t] |",
+             "|---|" + "---|" * (n + 2)]
+    for label, c in summary["claims"].items():
+        cells = [f"{_signed(v['diff'])} [{_signed(v['ci95'][0])}, {_signed(v['ci95'][1])}]" if v else "–"
+                 for v in (c["per_seed"].get(str(s)) for s in summary["seeds"])]
+        t95 = f"[{_signed(c['t95'][0])}, {_signed(c['t95'][1])}]" if c["t95"] else "(no interval from one seed)"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {c['above_noise']} / {c['below_noise']} of "
+                     f"{c['seeds']} | {_signed(c['mean'])} {t95} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxrag.eval.seeds", description=__doc__.split("\n")[0])
+    p.add_argument("workdirs", nargs="+", type=Path,
+                   help="finished workdirs (or their results.json) of one config, one per world seed")
+    p.add_argument("--json", type=Path, help="also write the summary here")
+    args = p.parse_args(argv)
+
+    def run():
+        summary = summarize(load(args.workdirs))
+        print(table(summary))
+        if args.json:
+            tmp = args.json.with_name(args.json.name + ".tmp")
+            tmp.write_text(json.dumps(summary, indent=1) + "\n")
+            tmp.replace(args.json)
+
+    return exit_code(run)
+
