@@ -1,4 +1,5 @@
-"""The pipeline's config, as code (ml_collections). `configs/*.py` pick a model and size.
+"""The pipeline's config, as code (ml_collections): the paper's (`paper_config`) and the embedded
+default (`tiny_config`), each declared whole. `configs/*.py` pick a model and size.
 
 Defaults are the paper's (SR-RAG §4.1, App. B): stage 1 batch 64 / lr 1e-5 / 1 epoch, stage 2
 lr 5e-7 / DPO beta 0.3 / 1 epoch, n = 5 contexts per source, verbalizations <= 150 tokens,
@@ -114,62 +115,159 @@ def paper_config(family: str) -> ConfigDict:
 
 
 def tiny_config(family: str) -> ConfigDict:
-    """The embedded default: a CPU-size model of `family` trained from scratch on the
-    generated knowledge world, with the paper's recipe scaled down to minutes. How each constant
-    was chosen, with the measurements: docs/embedded-world.md."""
-    cfg = paper_config(family)
-    cfg.model.path = ""  # trained from scratch in the `base` stage
-    cfg.model.dtype = "float32"
-    cfg.model.remat = "none"  # fastest on a CPU, and the tiny model's activations are small
-    # Two at a time fill a 2-core CPU better than one (jaxrag.lanes); results are the same.
-    cfg.pipeline.workers = 2
-    cfg.model.max_length = 256
-    # Hugging Face config fields of the model trained from scratch: hidden 128 learns to read within
-    # the pretraining budget below, at 1.6x the step speed of hidden 256 (fresh-entity reading probe).
-    cfg.model.arch = ConfigDict(dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512))
-    # The policy datastore's key layer: the best mean within-dataset leave-one-out AUROC of the
-    # datastore's labels (`python -m jaxrag.datastore audit`) over layers 1-4 x k in {5, 10, 30}, on
-    # the training data of two development worlds: the last layer (a 4-layer model's middle layer
-    # encodes the template, its last one whether the model knows the entity); k below.
-    cfg.model.datastore_layer = 4
-    cfg.mesh.update(data=-1, fsdp=1)
-    cfg.retrieval.encoder = "minilm"  # all-MiniLM-L6-v2 from the offline package
+    """The embedded default (`configs/qwen.py:tiny`, `configs/llama2.py:tiny`, `configs/phi3.py:tiny`):
+    a CPU-size model of `family` trained from scratch on the generated knowledge world, with the
+    paper's recipe scaled down to minutes. Every field is declared here, one comment each; the
+    measurements behind the chosen constants: docs/embedded-world.md."""
+    cfg = ConfigDict()
+    cfg.seed = 0  # initialisation, data order and (world.seed below) the world itself
+    cfg.pipeline = ConfigDict(dict(
+        stop_after="",  # stop once this stage is done ("": run every stage)
+        rerun_from="",  # redo this stage and every later one ("": none)
+        workers=2,  # two stages at a time fill a 2-core CPU better than one (jaxrag.pipeline.lanes); same results
+    ))
+    cfg.model = ConfigDict(dict(
+        family=family,  # qwen2 | llama | phi3: the decoder's architecture family
+        path="",  # empty: trained from scratch in the `base` stage (the embedded world)
+        sources=list(DEFAULT_SOURCES),  # knowledge sources, one token each: <Wiki>, <Self>
+        dtype="float32",  # compute dtype
+        param_dtype="float32",  # master weights
+        max_length=256,  # training sequence length (tokens)
+        # The policy datastore's key layer: the best mean within-dataset leave-one-out AUROC of the
+        # datastore's labels (`python -m jaxrag.datastore audit`) over layers 1-4 x k in {5, 10, 30}, on
+        # the training data of two development worlds: the last layer (a 4-layer model's middle layer
+        # encodes the template, its last one whether the model knows the entity); k below.
+        datastore_layer=4,
+        remat="none",  # keep every activation: fastest on a CPU, and the tiny model's activations are small
+        lora=ConfigDict(dict(
+            rank=0,  # 0: full fine-tuning (the paper's)
+            alpha=32.0,  # adapters scaled alpha / rank (when rank > 0)
+            targets=["q", "k", "v", "o", "gate", "up", "down"],  # the projections that get adapters
+            dropout=0.0,  # on the adapters' input while training
+        )),
+        base_dtype="auto",  # the frozen base under LoRA ("auto": bfloat16 on accelerators, float32 on CPU)
+        # Hugging Face config fields of the model trained from scratch: hidden 128 learns to read within
+        # the pretraining budget below, at 1.6x the step speed of hidden 256 (fresh-entity reading probe).
+        arch=ConfigDict(dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=512)),
+    ))
+    cfg.retrieval = ConfigDict(dict(
+        encoder="minilm",  # all-MiniLM-L6-v2 from the offline package
+        corpus="",  # empty: the world's generated corpus (W/world/corpus.jsonl)
+        passage_embeddings="",  # empty: the index encodes the corpus itself
+        # One ~100-word passage fills the tiny model's 256-token training context (5 would run past
+        # its 512 positions); the answer budget and cache stay within them.
+        n_passages=1,
+    ))
+    cfg.data = ConfigDict(dict(
+        train=list(TRAIN_DATASETS),  # the world's training mixture, named as the paper's six sets
+        eval=list(EVAL_DATASETS),  # the world's four evaluation sets, named as the paper's
+        train_sizes=dict(TABLE5_TRAIN),  # not read: the world sizes its splits (world.*_size)
+        validation_sizes=dict(TABLE5_VALIDATION),  # not read: the world sizes its splits
+        paths={name: "" for name in TRAIN_DATASETS + EVAL_DATASETS},  # not read: the world's datasets
+    ))
+    # GenRead round 2 zero-shot (sampled, n = 5), without the paper's cluster demonstrations: a
+    # 3M-parameter model copies the demo's entity instead of learning in context (on training
+    # questions, one demo put the gold answer in 5% of documents, zero-shot in 67%). Prompts stay
+    # within the 256-token pretraining length.
+    cfg.construct = ConfigDict(dict(
+        n_contexts=5,  # retrieved passages and verbalizations per source (the paper's n)
+        verbalize_max_tokens=48,  # GenRead document length
+        kmeans_clusters=5,  # GenRead's question clusters
+        demos_per_cluster=0,  # zero-shot (above)
+        label_rule="sum",  # Algorithm 1 line 11
+        verbalize_temperature=0.7,  # GenRead round 2 sampling (round 1 is greedy)
+        verbalize_top_p=0.9,  # GenRead round 2 nucleus
+        max_prompt_tokens=208,  # GenRead prompt budget: 208 + 48 = the 256-token pretraining length
+        shard_size=256,  # questions per output shard (the unit of resumption)
+        generate_batch_size=64,  # rows per generation batch
+        score_batch_size=32,  # rows per likelihood-scoring batch
+    ))
+    # Stage 1: lr 3e-4 keeps the base's reading; the SR-RAG tokens' new rows at 30x lr learn to route
+    # in 3 epochs without bending the body. Chosen among {6 x 10, 6 x 30, 3 x 30} (epochs x scale) on
+    # the fresh-entity reading probe and the validation split's p_M AUROC (never a test question).
+    cfg.stage1 = ConfigDict(dict(
+        batch_size=16,  # questions per optimizer step
+        lr=3e-4,  # peak learning rate (above)
+        epochs=3,  # passes over the construct records (above)
+        warmup_ratio=0.03,  # share of steps warming up (the paper's)
+        weight_decay=0.0,  # AdamW decay (the paper's)
+        grad_clip=1.0,  # global gradient-norm clip
+        extra_passages_lambda=2.0,  # weight of the extra-passages term (Eq. 4)
+        per_device_batch_size=0,  # 0: the whole batch in one pass
+        checkpoint_every=200,  # steps between checkpoints
+        keep_checkpoints=3,  # checkpoints kept
+        log_every=10,  # steps between metric lines
+        token_lr_scale=30.0,  # the SR-RAG tokens' rows learn at lr x this (above)
+    ))
+    cfg.stage2 = ConfigDict(dict(
+        batch_size=16,  # preference pairs per optimizer step
+        lr=1e-4,  # peak learning rate
+        epochs=2,  # passes over the construct records
+        warmup_ratio=0.03,  # share of steps warming up (the paper's)
+        weight_decay=0.0,  # AdamW decay (the paper's)
+        grad_clip=1.0,  # global gradient-norm clip
+        dpo_beta=0.3,  # DPO's beta (Eq. 5, the paper's)
+        extra_passages_lambda=2.0,  # weight of the extra-passages term
+        per_device_batch_size=0,  # 0: the whole batch in one pass
+        checkpoint_every=200,  # steps between checkpoints
+        keep_checkpoints=3,  # checkpoints kept
+        log_every=10,  # steps between metric lines
+        token_lr_scale=1.0,  # the SR-RAG tokens' rows at the body's lr
+    ))
+    cfg.inference = ConfigDict(dict(
+        k=10,  # datastore neighbours: chosen with the datastore layer above (same audit, same worlds)
+        # The uniform thresholds, fixed once per recipe as the paper fixes its model-specific tau: the
+        # best point of a 0.05 grid (ties: less retrieval) of `python -m jaxrag.eval.tau` on the training
+        # mixture's validation split of two development worlds, before any held-out seed ran.
+        tau=0.15,  # on p_M(<Wiki>) * p_D(<Wiki>) (w/o kNN: on p_M alone)
+        selective_tau=0.20,  # on Selective RAG's p(<Wiki>) after <EOQ>
+        batch_size=16,  # questions per routed batch
+        max_answer_tokens=16,  # answer budget
+        max_knowledge_tokens=224,  # knowledge budget (passages or verbalization), within 512 positions
+    ))
+    cfg.eval = ConfigDict(dict(
+        thresholds="paper",  # the constants above; "validation": tuned on the validation split (opt-in)
+        bootstrap_samples=1000,  # percentile bootstrap over questions
+        latency_questions=100,  # first questions of each test set timed in routed batches
+        latency_sweep_points=5,  # Figure 4's thresholds
+    ))
+    cfg.baselines = ConfigDict(dict(
+        ik_answer_tokens=32,  # IK's probe reads the first answer tokens
+        seakr_samples=5,  # SeaKR's sampled generations per question
+        max_train_questions=400,  # the selectors' training sample, stratified over the training sets
+    ))
+    cfg.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # every device on the data axis (-1: the rest)
+    # The world's generator settings: WorldConfig's defaults (jaxrag/world/generate.py, one comment
+    # per field there); `--config.world.seed=N` and `--config.seed=N` are one field.
     cfg.world = ConfigDict({k: v for k, v in dataclasses.asdict(WorldConfig()).items() if k != "seed"})
-    cfg.world.seed = cfg.get_ref("seed")  # `--config.world.seed=N` and `--config.seed=N` are one field
+    cfg.world.seed = cfg.get_ref("seed")
     # questions: per popularity bucket, descriptive only. The gates: a base must answer
     # reading_gate of reading_questions fresh-entity questions with retrieved passages, and its
     # GenRead documents must state the rule for verbal_gate of rule_questions fresh rule questions
     # (neither ever a test question), or be pretrained again from a new initialisation,
     # `attempts` runs in all. verbal_gate is the reading gate's 0.8, not fitted: bases score near
-    # 1.0 or near 0.25 (`pipeline.pretrain_until_it_reads_and_verbalizes`).
-    cfg.world_probe = ConfigDict(dict(questions=100, reading_questions=200, reading_gate=0.8,
-                                      rule_questions=200, verbal_gate=0.8, attempts=2))
+    # 1.0 or near 0.25 (`pipeline.base.pretrain_until_it_reads_and_verbalizes`).
+    cfg.world_probe = ConfigDict(dict(
+        questions=100,  # per popularity bucket (descriptive)
+        reading_questions=200,  # fresh-entity questions of the reading gate
+        reading_gate=0.8,  # share the base must read
+        rule_questions=200,  # fresh rule questions of the verbalization gate
+        verbal_gate=0.8,  # share whose GenRead documents must state the rule
+        attempts=2,  # pretraining runs at most
+    ))
     # The base model's whole education: 1400 steps x 8 x 256 = 2.9M tokens of world text, ~9 min
     # on a 2-core CPU; the fewest steps after which development bases read passages (reading
     # switches on late: fewer steps or a lower lr left the probe far below the gate).
-    cfg.pretrain = ConfigDict(dict(batch_size=8, lr=2e-3, steps=1400, warmup_ratio=0.05,
-                                   weight_decay=0.01, grad_clip=1.0, checkpoint_every=100))
-    # GenRead round 2 zero-shot (sampled, n = 5), without the paper's cluster demonstrations: a
-    # 3M-parameter model copies the demo's entity instead of learning in context (on training
-    # questions, one demo put the gold answer in 5% of documents, zero-shot in 67%). Prompts stay
-    # within the 256-token pretraining length.
-    cfg.construct.update(verbalize_max_tokens=48, demos_per_cluster=0, max_prompt_tokens=208)
-    # Stage 1: lr 3e-4 keeps the base's reading; the SR-RAG tokens' new rows at 30x lr learn to route
-    # in 3 epochs without bending the body. Chosen among {6 x 10, 6 x 30, 3 x 30} (epochs x scale) on
-    # the fresh-entity reading probe and the validation split's p_M AUROC (never a test question).
-    cfg.stage1.update(batch_size=16, lr=3e-4, epochs=3, token_lr_scale=30.0, per_device_batch_size=0)
-    cfg.stage2.update(batch_size=16, lr=1e-4, epochs=2, per_device_batch_size=0)
-    # One ~100-word passage fills the tiny model's 256-token training context (5 would run past
-    # its 512 positions); the answer budget and cache stay within them.
-    cfg.retrieval.n_passages = 1
-    # k = 10 neighbours: chosen with the datastore layer above (same audit, same worlds).
-    cfg.inference.update(k=10, batch_size=16, max_answer_tokens=16, max_knowledge_tokens=224)
-    # The uniform thresholds, fixed once per recipe as the paper fixes its model-specific tau: the
-    # best point of a 0.05 grid (ties: less retrieval) of `python -m jaxrag.eval.tau` on the training
-    # mixture's validation split of two development worlds, before any held-out seed ran.
-    cfg.inference.update(tau=0.15, selective_tau=0.20)
-    cfg.baselines.update(seakr_samples=5, max_train_questions=400)
+    cfg.pretrain = ConfigDict(dict(
+        batch_size=8,  # documents per step
+        lr=2e-3,  # peak learning rate (above)
+        steps=1400,  # optimizer steps (above)
+        warmup_ratio=0.05,  # share of steps warming up
+        weight_decay=0.01,  # AdamW decay
+        grad_clip=1.0,  # global gradient-norm clip
+        checkpoint_every=100,  # steps between checkpoints
+    ))
     return cfg
 
 
