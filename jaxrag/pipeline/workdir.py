@@ -14,6 +14,7 @@ from jaxrag.data.schema import QAExample, read_examples
 from jaxrag.decode.routing import RouteConfig
 from jaxrag.models.lora import weights_dtype
 from jaxrag.models.model import load_model
+from jaxrag.pipeline.cli import release_host_memory
 from jaxrag.retrieval.retriever import Retriever
 
 
@@ -49,7 +50,9 @@ def eval_items(cfg: ConfigDict, workdir: Path) -> tuple[list, list]:
 
 def load(cfg: ConfigDict, path: Path, inference: bool = False):
     """A saved model at the config's dtypes; `inference=True`: LoRA merged and layers unstacked
-    once, for the stages that only generate and score (`models.model.for_inference`)."""
+    once, for the stages that only generate and score (`models.model.for_inference`). The memory
+    of models dropped before this call goes back to the OS first."""
+    release_host_memory()
     return load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg), inference=inference)
 
 
