@@ -88,7 +88,7 @@ def test_unsupported_architectures_and_bad_files(tmp_path):
     ref = make_hf_model(tmp_path / "hf", "llama", spare_rows=0)
     write_gguf(ref, tmp_path / "hf", tmp_path / "mistral.gguf", "llama", name="mistral-7b-tiny")
     with pytest.raises(JaxragError, match=r"mistral.gguf: GGUF architecture 'llama \(Mistral\)' is not supported "
-                                          r"\(jaxrag imports llama, qwen2, phi3\)"):
+                                          r"\(jaxrag imports qwen2, llama, phi3\)"):
         jaxrag.load_model(tmp_path / "mistral.gguf")
     writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
     writer.add_block_count(1)

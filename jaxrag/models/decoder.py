@@ -1,9 +1,10 @@
-"""One Flax NNX decoder for Qwen2/Qwen2.5, Llama-2 (and Llama-3 RoPE) and Phi-3/3.5.
+"""One Flax NNX decoder for every family in `jaxrag.models.families` (Qwen2/Qwen2.5, Llama-2
+and Llama-3 RoPE, Phi-3/3.5).
 
 The families differ only in config: q/k/v bias (Qwen2), RoPE scaling (Llama-3, Phi-3 LongRoPE),
-tied embeddings, sliding window. Phi-3's fused `qkv_proj` / `gate_up_proj` checkpoints are split
-into q/k/v and gate/up at import (and fused back at export), so one layer layout serves all
-families and tensor parallelism can shard heads without cutting across a fused matrix.
+tied embeddings, sliding window. Fused checkpoint tensors (Phi-3's `qkv_proj` / `gate_up_proj`)
+are split into q/k/v and gate/up at import (and fused back at export), so one layer layout serves
+all families and tensor parallelism can shard heads without cutting across a fused matrix.
 
 Every parameter carries logical axis names (`out_sharding` metadata); `jaxrag.sharding` maps them
 to mesh axes by rules.
@@ -35,11 +36,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrag.models import families
 from jaxrag.models.kv_cache import KVCache, LayerCache, cached_attention
 from jaxrag.models.projection import project
 from jaxrag.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
-FAMILIES = ("qwen2", "llama", "phi3")
 # What the backward pass keeps of each layer (`model.remat`): everything ("none"); only the
 # layer's input, recomputing the layer ("block"); or the outputs of the matmuls against weights
 # too ("dots": recomputes norms, activations and attention, not the projections; see `projection.project`).
@@ -58,7 +59,7 @@ _MASKED_LOGIT = -1e9  # finite, so 0 * log p stays 0 in losses
 class DecoderConfig:
     """Static architecture of a decoder (hashable: jitted functions close over it)."""
 
-    family: str
+    family: str  # a key of `jaxrag.models.families.FAMILIES`
     vocab_size: int  # real vocabulary (HF `vocab_size`); logits beyond it are masked
     hidden_size: int
     intermediate_size: int
@@ -345,8 +346,7 @@ def stack_blocks(blocks: list[Block]) -> Block:
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        if cfg.family not in FAMILIES:
-            raise ValueError(f"unknown family {cfg.family!r}; supported: {FAMILIES}")
+        families.family(cfg.family)  # a clear error for a family the table does not have
         pd = resolve_dtype(cfg.param_dtype)
         v, e = cfg.padded_vocab_size, cfg.hidden_size
         self.embed = _param(rngs, (v, e), ("vocab", "embed"), pd)

@@ -18,11 +18,12 @@ import importlib.util
 from pathlib import Path
 
 from jaxrag.errors import JaxragError
+from jaxrag.models.families import FAMILIES
 from jaxrag.models.hf import write_hf_tensors
 
 SUFFIX = ".gguf"
 # GGUF `general.architecture` -> transformers model_type, for the families jaxrag implements.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3"}
+ARCHITECTURES = {f.gguf: name for name, f in FAMILIES.items() if f.gguf}
 _DROPPED_CONFIG_KEYS = ("quantization_config", "_name_or_path")  # the export is a plain float model
 
 

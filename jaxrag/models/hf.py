@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxrag.errors import JaxragError
-from jaxrag.models.decoder import FAMILIES, DecoderConfig
+from jaxrag.models.decoder import DecoderConfig
+from jaxrag.models.families import FAMILIES
 from jaxrag.models.rope import ROPE_TYPES, RopeConfig
 
 WEIGHTS = "model.safetensors"
@@ -58,7 +59,8 @@ def _rope_parameters(hf: transformers.PretrainedConfig) -> dict:
 
 
 def decoder_config(hf: transformers.PretrainedConfig, **overrides) -> DecoderConfig:
-    """The static DecoderConfig of an HF config (`overrides`: dtype, param_dtype, ...)."""
+    """The static DecoderConfig of an HF config (`overrides`: dtype, param_dtype, ...): the fields
+    every family shares read here, the family's own by its `families.FAMILIES` entry."""
     where = f"config.json ({hf.model_type})"
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise JaxragError(f"{where}: hidden_act {hf.hidden_act!r} is not supported (silu only)")
@@ -90,10 +92,8 @@ def decoder_config(hf: transformers.PretrainedConfig, **overrides) -> DecoderCon
         long_factor=tuple(rp.get("long_factor") or ()),
         attention_factor=rp.get("attention_factor"),
     )
-    family = hf.model_type
-    attention_bias = bool(getattr(hf, "attention_bias", False))
     return DecoderConfig(
-        family=family,
+        family=hf.model_type,
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
         intermediate_size=int(hf.intermediate_size),
@@ -103,18 +103,16 @@ def decoder_config(hf: transformers.PretrainedConfig, **overrides) -> DecoderCon
         head_dim=int(head_dim),
         rms_norm_eps=float(hf.rms_norm_eps),
         rope=rope,
-        qkv_bias=family == "qwen2" or (family == "llama" and attention_bias),
-        o_bias=family == "llama" and attention_bias,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=getattr(hf, "sliding_window", None) if family == "phi3" else None,
+        **FAMILIES[hf.model_type].traits(hf),
         **overrides,
     )
 
 
 # --- tensor layout --------------------------------------------------------------------------
 # A "mapping" pairs an HF tensor name (llama layout) with our param path, the layer it fills in
-# our stacked layer params (None outside the layers) and the two layout transforms. Phi-3's
-# fused tensors are split into/joined from the llama layout around it.
+# our stacked layer params (None outside the layers) and the two layout transforms. A family's
+# fused tensors (its `families` entry's `fused`) are split into/joined from the llama layout around it.
 
 
 def _mappings(cfg: DecoderConfig) -> Iterator[tuple[str, tuple, int | None, Callable, Callable]]:
@@ -149,35 +147,38 @@ def _mappings(cfg: DecoderConfig) -> Iterator[tuple[str, tuple, int | None, Call
             yield p + f"mlp.{name}_proj.weight", ("layers", "mlp", f"w_{name}"), i, *linear
 
 
-def _phi3_sizes(cfg: DecoderConfig) -> tuple[list[int], list[int]]:
-    qkv = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-    return qkv, [cfg.intermediate_size] * 2
+def part_rows(cfg: DecoderConfig) -> dict[str, int]:
+    """Rows of each llama-layout projection in HF's [out, in] orientation: the blocks a fused
+    tensor stacks."""
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"q": q, "k": kv, "v": kv, "gate": f, "up": f}
 
 
-def _split_phi3(name: str, w: np.ndarray, cfg: DecoderConfig) -> dict[str, np.ndarray]:
-    qkv, gate_up = _phi3_sizes(cfg)
-    for fused, parts, sizes in (("self_attn.qkv_proj", "qkv", qkv), ("mlp.gate_up_proj", ("gate", "up"), gate_up)):
+def _part_name(prefix: str, fused: str, part: str) -> str:  # "self_attn.qkv_proj", "q" -> its q_proj
+    return f"{prefix}{fused.split('.')[0]}.{part}_proj.weight"
+
+
+def _split_fused(name: str, w: np.ndarray, cfg: DecoderConfig) -> dict[str, np.ndarray]:
+    rows = part_rows(cfg)
+    for fused, parts in FAMILIES[cfg.family].fused.items():
         if name.endswith(fused + ".weight"):
             prefix = name[: -len(fused + ".weight")]
-            pieces = np.split(w, np.cumsum(sizes)[:-1], axis=0)
-            module = fused.split(".")[0]
-            return {f"{prefix}{module}.{part}_proj.weight": piece for part, piece in zip(parts, pieces)}
+            pieces = np.split(w, np.cumsum([rows[p] for p in parts])[:-1], axis=0)
+            return {_part_name(prefix, fused, part): piece for part, piece in zip(parts, pieces)}
     return {name: w}
 
 
-def _join_phi3(tensors: dict[str, np.ndarray], cfg: DecoderConfig) -> dict[str, np.ndarray]:
+def _join_fused(tensors: dict[str, np.ndarray], cfg: DecoderConfig) -> dict[str, np.ndarray]:
     out = dict(tensors)
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers):  # layer by layer, as the checkpoint orders them
         p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj.weight"] = np.concatenate(
-            [out.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=0)
-        out[p + "mlp.gate_up_proj.weight"] = np.concatenate(
-            [out.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")], axis=0)
+        for fused, parts in FAMILIES[cfg.family].fused.items():
+            out[f"{p}{fused}.weight"] = np.concatenate([out.pop(_part_name(p, fused, x)) for x in parts], axis=0)
     return out
 
 
 def expected_hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, in the family's own layout (fused for Phi-3)."""
+    """HF tensor name -> shape, in the family's own layout (its fused tensors joined)."""
     shapes = {}
     v, e, n, kv, h, f = (cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, cfg.intermediate_size)
@@ -188,8 +189,8 @@ def expected_hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
                  "gate_proj.weight": (f, e), "up_proj.weight": (f, e), "down_proj.weight": (e, f)}
     for name, *_ in _mappings(cfg):
         shapes[name] = next(s for suf, s in by_suffix.items() if name.endswith(suf))
-    if cfg.family == "phi3":
-        fused = _join_phi3({k: np.empty(s, np.int8) for k, s in shapes.items()}, cfg)
+    if FAMILIES[cfg.family].fused:
+        fused = _join_fused({k: np.empty(s, np.int8) for k, s in shapes.items()}, cfg)
         shapes = {k: t.shape for k, t in fused.items()}
     return shapes
 
@@ -243,7 +244,7 @@ def read_hf_tensors(model_dir: Path, cfg: DecoderConfig) -> dict[str, np.ndarray
                     w = f.get_tensor(name)
                 except (SafetensorError, OSError) as e:
                     raise JaxragError(f"{path}: cannot read tensor {name!r} ({e})") from None
-                tensors.update(_split_phi3(name, w, cfg) if cfg.family == "phi3" else {name: w})
+                tensors.update(_split_fused(name, w, cfg))
     return tensors
 
 
@@ -278,7 +279,7 @@ def params_to_hf(params: dict, cfg: DecoderConfig) -> dict[str, np.ndarray]:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             w = np.ascontiguousarray(w[: cfg.vocab_size])
         tensors[name] = w
-    return _join_phi3(tensors, cfg) if cfg.family == "phi3" else tensors
+    return _join_fused(tensors, cfg)
 
 
 def write_hf_tensors(tensors: dict[str, np.ndarray], out_dir: Path, max_shard_bytes: int) -> None:

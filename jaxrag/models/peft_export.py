@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import LORA_TARGETS
-from jaxrag.models.hf import _phi3_sizes
+from jaxrag.models.families import FAMILIES
+from jaxrag.models.hf import part_rows
 from jaxrag.models.lora import Trainable
 from jaxrag.models.model import atomic_dir
 from jaxrag.models.params import host_params
@@ -32,7 +33,6 @@ from jaxrag.models.params import host_params
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-_PHI3_FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
 
 
 def _hf_factors(params: dict, target: str, layer: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,8 +47,9 @@ def adapter_tensors(params: dict, cfg, row_ids) -> tuple[dict[str, np.ndarray], 
     """PEFT state dict and LoraConfig fields for `params` (pure dict, adapters included)."""
     r, targets = cfg.lora_rank, list(cfg.lora_targets)
     modules: dict[str, tuple[str, ...]] = {}
+    family_fused = FAMILIES[cfg.family].fused
     for t in targets:
-        fused = next((m for m, parts in _PHI3_FUSED.items() if t in parts), None) if cfg.family == "phi3" else None
+        fused = next((m for m, parts in family_fused.items() if t in parts), None)
         key = fused or _MODULES[t]
         modules[key] = (*modules.get(key, ()), t)
     tensors, rank_pattern, alpha_pattern = {}, {}, {}
@@ -56,7 +57,7 @@ def adapter_tensors(params: dict, cfg, row_ids) -> tuple[dict[str, np.ndarray], 
         short = module.split(".")[-1]
         for layer in range(cfg.num_layers):
             prefix = f"base_model.model.model.layers.{layer}.{module}"
-            if module in _PHI3_FUSED:
+            if module in family_fused:
                 A, B = _fused(params, cfg, module, parts, layer, r)
             else:
                 A, B = _hf_factors(params, parts[0], layer, r)
@@ -79,10 +80,9 @@ def adapter_tensors(params: dict, cfg, row_ids) -> tuple[dict[str, np.ndarray], 
 
 
 def _fused(params, cfg, module, parts, layer, r):
-    """One adapter of rank len(targeted) x r on a Phi-3 fused module: stacked A, block-diagonal B."""
-    qkv, gate_up = _phi3_sizes(cfg)  # the fused weights' row blocks, as import splits them
-    sizes = dict(zip(("q", "k", "v", "gate", "up"), qkv + gate_up))
-    order = _PHI3_FUSED[module]
+    """One adapter of rank len(targeted) x r on a fused module (Phi-3's): stacked A, block-diagonal B."""
+    sizes = part_rows(cfg)  # the fused weights' row blocks, as import splits them
+    order = FAMILIES[cfg.family].fused[module]
     A_parts, B = [], np.zeros((sum(sizes[p] for p in order), r * len(parts)), np.float32)
     for j, part in enumerate(p for p in order if p in parts):
         a, b = _hf_factors(params, part, layer, r)

@@ -13,15 +13,10 @@ import dataclasses
 from ml_collections import ConfigDict
 
 from jaxrag.errors import JaxragError
+from jaxrag.models.families import FAMILIES
 from jaxrag.models.tokens import DEFAULT_SOURCES
 from jaxrag.world.generate import WorldConfig
 
-PAPER_MODELS = {
-    # family: (hub name, datastore layer (1-based, of 28/32), tau)
-    "qwen2": ("Qwen/Qwen2.5-7B-Instruct", 11, 0.2),
-    "llama": ("meta-llama/Llama-2-7b-chat-hf", 15, 0.1),
-    "phi3": ("microsoft/Phi-3.5-mini-instruct", 15, 0.2),
-}
 TRAIN_DATASETS = ["wow", "nq", "fever", "obqa", "arc_easy", "asqa"]
 EVAL_DATASETS = ["popqa", "triviaqa", "pubhealth", "arc_challenge"]
 # The paper's training mixture (App. B.1, Table 5): train / validation instances per dataset,
@@ -31,8 +26,10 @@ TABLE5_VALIDATION = {"arc_easy": 107, "nq": 776, "obqa": 234, "fever": 498, "wow
 
 
 def paper_config(family: str) -> ConfigDict:
-    """The paper's 7B-scale setup for one model family, on real weights and data."""
-    path, layer, tau = PAPER_MODELS[family]
+    """The paper's 7B-scale setup for one model family, on real weights and data: the family's
+    paper model (hub name, datastore layer, tau) from `jaxrag.models.families`."""
+    paper = FAMILIES[family].paper
+    path, layer, tau = paper.hub, paper.datastore_layer, paper.tau
     cfg = ConfigDict()
     cfg.seed = 0
     # stage names: stop once stop_after is done; redo rerun_from and every later stage. workers:
@@ -127,7 +124,7 @@ def tiny_config(family: str) -> ConfigDict:
         workers=2,  # two stages at a time fill a 2-core CPU better than one (jaxrag.pipeline.lanes); same results
     ))
     cfg.model = ConfigDict(dict(
-        family=family,  # qwen2 | llama | phi3: the decoder's architecture family
+        family=family,  # the decoder's architecture family (a key of jaxrag.models.families.FAMILIES)
         path="",  # empty: trained from scratch in the `base` stage (the embedded world)
         sources=list(DEFAULT_SOURCES),  # knowledge sources, one token each: <Wiki>, <Self>
         dtype="float32",  # compute dtype

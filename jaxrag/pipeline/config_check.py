@@ -21,7 +21,8 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 from jaxrag.errors import JaxragError
-from jaxrag.pipeline.config import PAPER_MODELS, paper_config, tiny_config
+from jaxrag.models.families import FAMILIES
+from jaxrag.pipeline.config import paper_config, tiny_config
 
 # Sections whose keys are open-ended (Hugging Face config fields of a model trained from scratch).
 OPEN_SECTIONS = ("model.arch",)
@@ -212,8 +213,8 @@ def split_argv(argv: Sequence[str], flag: str = "config") -> tuple[list[str], li
 def reference_config(cfg: ConfigDict) -> ConfigDict:
     """The shipped config `cfg` derives from: same family, tiny iff it has a world."""
     family = cfg.get("model", {}).get("family")
-    if family not in PAPER_MODELS:
-        raise JaxragError(f"config field model.family is {family!r}; choose one of {', '.join(PAPER_MODELS)}")
+    if family not in FAMILIES:
+        raise JaxragError(f"config field model.family is {family!r}; choose one of {', '.join(FAMILIES)}")
     return tiny_config(family) if "world" in cfg else paper_config(family)
 
 

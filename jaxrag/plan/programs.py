@@ -36,30 +36,16 @@ from jaxrag.decode import sampler
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, positions_from_mask, unstack_layers
+from jaxrag.models.families import FAMILIES
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
 from jaxrag.models.lora import Trainable, check_targets
 from jaxrag.models.model import resolve_model_dir
 from jaxrag.models.tokens import srrag_tokens
 from jaxrag.train import losses, trainer
 
-# Published config.json values of the paper's models, so a plan needs no download. RoPE
-# scaling factors do not change shapes (LongRoPE's per-frequency factors are left at 1).
-PAPER_ARCHS = {
-    "Qwen/Qwen2.5-7B-Instruct": dict(
-        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "meta-llama/Llama-2-7b-chat-hf": dict(
-        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        tie_word_embeddings=False),
-    "microsoft/Phi-3.5-mini-instruct": dict(
-        model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=131072,
-        original_max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=262143,
-        rope_scaling=dict(type="longrope", short_factor=[1.0] * 48, long_factor=[1.0] * 48),
-        tie_word_embeddings=False),
-}
+# Published config.json values of the paper's models (`families.PaperModel.config`), by hub
+# name, so a plan needs no download.
+PAPER_ARCHS = {f.paper.hub: f.paper.config for f in FAMILIES.values()}
 ENCODER = BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
 TRAIN_QUESTIONS = 50_912  # the paper's six training sets (Table 5)
 # The programs `decoder_programs` + `encoder_program` make, in that order.
@@ -279,6 +265,6 @@ def plan_decoder_config(cfg) -> DecoderConfig:
                                       lora_targets=check_targets(list(lora.targets)))
     else:
         dec_cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=str(cfg.model.param_dtype))
-    tokenizer_len = {"qwen2": 151665, "phi3": 32011}.get(dec_cfg.family, dec_cfg.vocab_size)
+    tokenizer_len = FAMILIES[dec_cfg.family].paper.tokenizer_len or dec_cfg.vocab_size
     new_tokens = len(srrag_tokens(tuple(cfg.model.sources)))
     return dataclasses.replace(dec_cfg, vocab_size=max(dec_cfg.vocab_size, tokenizer_len + new_tokens))
