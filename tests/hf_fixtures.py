@@ -9,6 +9,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 
+from jaxrag.models.families import FAMILIES
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Question: who wrote the novel? Background knowledge: the novel was written in 1850. Answer: Hawthorne",
@@ -16,21 +18,14 @@ CORPUS = [
     "Self routing lets a model verbalize what it knows instead of retrieving.",
 ] * 4
 
-FAMILIES = {
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-}
-
-# Variants the parity tests cover: plain families, Llama-3 RoPE scaling, Phi-3 LongRoPE run past
-# its original context (16 < test lengths), a Phi-3 sliding window, tied embeddings.
+# Variants the parity tests cover: every family of `jaxrag.models.families` plain (a family added
+# there is tested with no change here), Llama-3 RoPE scaling, Phi-3 LongRoPE run past its original
+# context (16 < test lengths), a Phi-3 sliding window, tied embeddings.
 VARIANTS = {
-    "qwen2": ("qwen2", {}),
+    **{family: (family, {}) for family in FAMILIES},
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
-    "llama": ("llama", {}),
     "llama3_rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
-    "phi3": ("phi3", {}),
     "phi3_longrope": ("phi3", {"original_max_position_embeddings": 16, "rope_scaling": {
         "type": "longrope", "short_factor": list(np.linspace(1.0, 2.0, 8)),
         "long_factor": list(np.linspace(1.0, 8.0, 8))}}),
@@ -57,13 +52,12 @@ def make_hf_model(out: Path, variant: str, spare_rows: int = 20, seed: int = 0):
     The vocab has `spare_rows` unused rows past the tokenizer, as Qwen2.5 checkpoints do."""
     family, overrides = VARIANTS[variant]
     tok = make_tokenizer(out)
-    config_cls, model_cls = FAMILIES[family]
-    cfg = config_cls(vocab_size=len(tok) + spare_rows, hidden_size=64, intermediate_size=96,
+    cfg = transformers.AutoConfig.for_model(family, vocab_size=len(tok) + spare_rows, hidden_size=64, intermediate_size=96,
                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                      max_position_embeddings=64, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                      bos_token_id=None, **overrides)
     torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
+    model = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)](cfg).eval()
     model.save_pretrained(out)
     return model
 
