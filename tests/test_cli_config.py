@@ -143,3 +143,31 @@ def test_cpu_temporaries_are_reused_not_faulted_in_per_call():
     cuda = subprocess.run([sys.executable, "-c", "from jaxrag.pipeline.cli import reuse_cpu_temporaries as r; print(r())"],
                           capture_output=True, text=True, cwd=REPO, env=env | {"JAX_PLATFORMS": "cuda"}, check=True)
     assert cuda.stdout.split() == ["False"]  # an accelerator's host is left alone
+
+
+_RELEASE = """
+import numpy as np
+from jaxrag.pipeline.cli import release_host_memory, reuse_cpu_temporaries
+assert reuse_cpu_temporaries()
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20  # MB resident
+base = rss()
+big = np.ones(1 << 27)  # 1 GB from the heap, then a small block above it, as a next stage's would be
+small = np.ones(1 << 10)
+del big
+held = rss()
+release_host_memory()
+print(base, held, rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_memory_a_stage_freed_goes_back_to_the_os():
+    """The kernel's resident-set count: under `reuse_cpu_temporaries` a freed 1 GB block stays
+    resident (the heap never trims, and a later block sits above it), so a run's RSS is the peak
+    of every stage it ran; `release_host_memory` (between stages, before each model load) gives
+    it back."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    base, held, released = map(int, subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True,
+                                                   cwd=REPO, env=env, timeout=120, check=True).stdout.split())
+    assert held - base > 900  # freed, still resident
+    assert released - base < 100
