@@ -65,9 +65,10 @@ METHODS = (
     Method("srrag_no_kv_label", "no_kv_label", "tau"),
 )
 CONSTANT = {"always_rag": True, "genread": False}
-# The paper's claims: SR-RAG against each of these (paired differences of average accuracy).
+# The paper's claims: SR-RAG against each of these (paired differences of average accuracy), and
+# against the untuned model's always-RAG and GenRead (what fine-tuning bought at all).
 COMPARED = ("selective_rag", "srrag_always_rag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo",
-            "ik", "seakr", "ccsk")
+            "ik", "seakr", "ccsk", "no_ft_always_rag", "no_ft_genread")
 # Table 2's kNN claim: the same model's two paths, so both AUROCs rank the same labels. SR-RAG
 # against Selective RAG is not compared: their positives differ ("retrieval beats verbalizing" vs
 # "retrieval beats no knowledge"), so the difference of AUROCs would not be one quantity.
