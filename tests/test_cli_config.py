@@ -147,27 +147,32 @@ def test_cpu_temporaries_are_reused_not_faulted_in_per_call():
 
 _RELEASE = """
 import numpy as np
-from jaxrag.pipeline.cli import release_host_memory, reuse_cpu_temporaries
+from jaxrag import host_memory
+from jaxrag.pipeline.cli import reuse_cpu_temporaries
 assert reuse_cpu_temporaries()
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20  # MB resident
+host_memory.bound(0.5)  # the first call records where the process stands
 base = rss()
-big = np.ones(1 << 27)  # 1 GB from the heap, then a small block above it, as a next stage's would be
+big = np.ones(1 << 27)  # 1 GB from the heap, then a small block above it, as a next step's would be
 small = np.ones(1 << 10)
 del big
 held = rss()
-release_host_memory()
-print(base, held, rss())
+host_memory.bound(2.0)  # grown by 1 GB, within 2 GB of slack: kept for reuse
+kept = rss()
+host_memory.bound(0.5)  # beyond 0.5 GB: given back
+print(base, held, kept, rss())
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_memory_a_stage_freed_goes_back_to_the_os():
+def test_freed_memory_goes_back_to_the_os_once_the_process_has_grown():
     """The kernel's resident-set count: under `reuse_cpu_temporaries` a freed 1 GB block stays
-    resident (the heap never trims, and a later block sits above it), so a run's RSS is the peak
-    of every stage it ran; `release_host_memory` (between stages, before each model load) gives
-    it back."""
+    resident (the heap never trims, and a later block sits above it), so without help a run's
+    RSS is the peak of everything it ran; `host_memory.bound` (once per step or batch) gives it
+    back when the process has grown by more than its slack, and keeps it for reuse otherwise."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    base, held, released = map(int, subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True,
-                                                   cwd=REPO, env=env, timeout=120, check=True).stdout.split())
-    assert held - base > 900  # freed, still resident
+    base, held, kept, released = map(int, subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True,
+                                                         text=True, cwd=REPO, env=env, timeout=120,
+                                                         check=True).stdout.split())
+    assert held - base > 900 and kept - base > 900  # freed, still resident
     assert released - base < 100

@@ -47,6 +47,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxrag import host_memory
 from jaxrag.data.construct_genread import (
     POOLS,
     ROUND1,
@@ -404,6 +405,7 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
         with tqdm(total=done + sum(len(shards[k]) for k in todo), initial=done, desc="construct", unit="q",
                   disable=not progress) as bar:
             for k in todo:
+                host_memory.bound()
                 write_jsonl(shard_path(out_dir, k),
                             construct_shard(model, shards[k], k, pools, retrieve, params, int(rng_seed), mesh))
                 bar.update(len(shards[k]))

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxrag import host_memory
 from jaxrag.data.schema import write_jsonl
 from jaxrag.decode.sampler import SamplingParams, generate
 from jaxrag.errors import JaxragError
@@ -234,6 +235,7 @@ def genread_pools(model, shards: Sequence[Sequence], mine: Sequence[int], out_di
         with tqdm(total=sum(len(shards[k]) for k in todo), desc="construct: GenRead round 1", unit="q",
                   disable=not progress) as bar:
             for k in todo:
+                host_memory.bound()
                 prompts = [genread_prompt(model.tokenizer, it.question, is_ambiguous(it.dataset, it.example), [])[0]
                            for it in shards[k]]
                 verbs = verbalize(model, prompts, params.verbalize_max_tokens, sampling=SamplingParams(),

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxrag import host_memory
 from jaxrag.data.schema import QAExample
 from jaxrag.decode.policy import Policy, PolicyInputs
 from jaxrag.decode.routing import Retrieve, RouteConfig, route, timed
@@ -123,7 +124,9 @@ def questions_of(items: Sequence[Item]) -> list[str]:
 
 
 def _batches(n: int, size: int, desc: str):
-    return tqdm(range(0, n, size), desc=desc, unit="batch", leave=False)
+    for start in tqdm(range(0, n, size), desc=desc, unit="batch", leave=False):
+        host_memory.bound()
+        yield start
 
 
 def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, cfg: RouteConfig,

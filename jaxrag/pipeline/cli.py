@@ -5,7 +5,6 @@ temporaries before jax is imported. How any CLI reports a `JaxragError`: `jaxrag
 from __future__ import annotations
 
 import ctypes
-import gc
 import importlib.util
 import os
 import sys
@@ -39,20 +38,6 @@ def reuse_cpu_temporaries() -> bool:
         return False
     return all(mallopt(param, value) == 1 for param, value in
                ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
-
-
-def release_host_memory() -> None:
-    """Returns the heap's free pages to the OS. The allocator `reuse_cpu_temporaries` sets up never
-    trims, so without this a process's RSS is the high-water mark of all it ever ran: every stage's
-    models, training state and programs' temporaries (a SmolLM2 smoke run reached 19 GB, live
-    arrays under 1.3 GB; one trim took its eval from 7.3 to 2.5 GB). Called where the last model's
-    memory has just become garbage: after each stage and before each model load. Safe beside
-    running threads (glibc locks the arena); a no-op off glibc."""
-    gc.collect()  # arrays held only through reference cycles
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def jax_runs_on_cpu() -> bool:

@@ -19,12 +19,12 @@ from pathlib import Path
 import jax
 from ml_collections import ConfigDict
 
+from jaxrag import host_memory
 from jaxrag.data.check import check_data
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import resolve_model_dir
 from jaxrag.pipeline import (base, baselines, construct, datastore, eval, export, finetune, index, lanes, provenance,
                              world)
-from jaxrag.pipeline.cli import release_host_memory
 from jaxrag.pipeline.config_check import check_config
 from jaxrag.pipeline.workdir import is_embedded
 from jaxrag.plan.fit import check_fit
@@ -113,7 +113,7 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
             print(f"{head} running{why}", flush=True)
             start = time.perf_counter()
             stage(cfg, workdir)
-            release_host_memory()  # the stage's models and temporaries, before the next stage loads its own
+            host_memory.release()  # the stage's models and temporaries, before the next stage loads its own
             print(f"{head} finished in {time.perf_counter() - start:.0f}s", flush=True)
         return go, tuple(u for u in provenance.STAGES[name].upstream if u in names)
 

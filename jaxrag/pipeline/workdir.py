@@ -8,13 +8,13 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from jaxrag import host_memory
 from jaxrag.data.check import dataset_examples
 from jaxrag.data.mixture import mixture_split
 from jaxrag.data.schema import QAExample, read_examples
 from jaxrag.decode.routing import RouteConfig
 from jaxrag.models.lora import weights_dtype
 from jaxrag.models.model import load_model
-from jaxrag.pipeline.cli import release_host_memory
 from jaxrag.retrieval.retriever import Retriever
 
 
@@ -52,7 +52,7 @@ def load(cfg: ConfigDict, path: Path, inference: bool = False):
     """A saved model at the config's dtypes; `inference=True`: LoRA merged and layers unstacked
     once, for the stages that only generate and score (`models.model.for_inference`). The memory
     of models dropped before this call goes back to the OS first."""
-    release_host_memory()
+    host_memory.release()
     return load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg), inference=inference)
 
 

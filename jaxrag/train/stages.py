@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxrag import concurrency, sharding
+from jaxrag import concurrency, host_memory, sharding
 from jaxrag.errors import JaxragError
 from jaxrag.models.lora import Trainable, add_lora
 from jaxrag.models.model import Model, load_model, save_model
@@ -166,6 +166,7 @@ def reference_logprobs(ref_model: Model, data: RecordData, mesh, batch_size: int
     out = np.zeros((len(data), 2), np.float32)
     for idx in tqdm(order, desc="reference log-probs", disable=jax.process_index() != 0):
         concurrency.check()
+        host_memory.bound()
         lp = np.asarray(fn(params, sharding.global_batch(data.rows(idx[rows], 0), rows, mesh, batch_size)))
         out[idx[idx >= 0]] = lp[:, idx >= 0].T
     return out

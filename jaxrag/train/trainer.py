@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrag import concurrency, sharding
+from jaxrag import concurrency, host_memory, sharding
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import REMAT_POLICIES, Decoder, LoraDropout, positions_from_segments
 from jaxrag.models.lora import ROWS, Trainable
@@ -259,6 +259,7 @@ def fit(decoder: Decoder, data, objective: Objective, spec: TrainSpec, workdir: 
     try:
         while step < spec.total_steps:
             concurrency.check()
+            host_memory.bound()
             if meta["batch"] >= len(order):
                 meta["epoch"], meta["batch"] = meta["epoch"] + 1, 0
                 order = data.order(meta["epoch"], spec.batch_size)
