@@ -95,10 +95,11 @@ def full():
 
 def wiki():
     """The documented real run (docs/real-model.md): 3,000 Wikipedia paragraphs, 50 questions per
-    dataset read off them by `examples/real_data.py`'s rules, sized to about an hour on 2 CPU cores:
-    10 training + 10 validation questions per training set, the four test sets whole (200)."""
+    dataset read off them by `examples/real_data.py`'s rules: 10 training + 10 validation questions
+    per training set, the four test sets whole (200). On 2 shared CPU cores the stages up to the
+    baselines took 78 minutes and eval, which routes every method for real, more than an hour."""
     return _smollm2(dict(
-        # A CPU hour: one ~130-token passage in 256 training tokens.
+        # One ~130-token passage in 256 training tokens.
         model=dict(max_length=256),
         retrieval=dict(corpus=f"{REAL_DATA}/psgs_w100.tsv", n_passages=1),
         data=dict(paths={name: f"{REAL_DATA}/{file}" for name, file in REAL_FILES.items()},
