@@ -26,7 +26,9 @@ def reuse_cpu_temporaries() -> bool:
     step) from its worker threads. glibc serves a block that large from a thread's arena by
     mmap and unmaps it on free, so every step faults all of it in again: ~84k page faults and a
     quarter of the step's CPU time in the kernel. One arena that never maps or trims keeps the
-    pages: that step 0.60 -> 0.45 s on a 2-core Xeon, bit-identical results. Must run before
+    pages: that step 0.60 -> 0.45 s on a 2-core Xeon, bit-identical results. Such a heap gives
+    nothing back by itself: `jaxrag.host_memory` returns freed memory between stages and models
+    and whenever a long loop has grown by 2 GB. Must run before
     jax is imported (threads keep the arena they first used). Skipped where an accelerator
     plugin is installed (its host side does not need it, and a never-trimmed heap would hold
     on to the host copies of a 7B checkpoint) and off glibc."""
