@@ -114,12 +114,14 @@ def test_entries_are_thin():
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m not in ENTRIES))
 def test_imports_inside_functions_say_why(module):
-    """A jaxrag import inside a function keeps something heavy from loading too early: a comment
-    on its line, or just above its group of imports, says what and why."""
-    lines = MODULES[module].read_text(encoding="utf-8").splitlines()
-    for _, line, inner in (e for e in imports(module)):
-        if not inner:
-            continue
+    """An import inside a function (of jaxrag or of another package) keeps something heavy or
+    optional from loading too early: a comment on its line, or just above its group of imports,
+    says what and why."""
+    text = MODULES[module].read_text(encoding="utf-8")
+    lines = text.splitlines()
+    inner = {node.lineno for fn in ast.walk(ast.parse(text)) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    for line in sorted(inner):
         at = line - 1
         while at > 0 and lines[at - 1].lstrip().startswith(("from ", "import ")):
             at -= 1  # the first import of the group

@@ -126,6 +126,7 @@ def kmeans_clusters(embeddings: np.ndarray, k: int, seed: int) -> np.ndarray:
     n = len(embeddings)
     if n <= k:
         return np.arange(n)
+    # lazy: sklearn: only GenRead's clustering needs it, and it takes seconds to import
     from sklearn.cluster import KMeans
 
     labels = KMeans(n_clusters=k, random_state=seed, n_init=10).fit_predict(np.asarray(embeddings, np.float64))

@@ -105,6 +105,7 @@ def _file_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
     if suffix == ".json":
         return _json_rows(path, split)
     if suffix in (".tsv", ".csv"):
+        # lazy: pandas: only the parquet loader needs it
         import pandas as pd
 
         # dtype=str and no NA parsing: values stay exactly as written ("None" is a real answer).
@@ -112,6 +113,7 @@ def _file_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
                             keep_default_na=False)
         return enumerate(frame.to_dict("records"), start=1)
     if suffix == ".parquet":
+        # lazy: pyarrow: only the parquet loader needs it
         import pyarrow.parquet as pq
 
         return enumerate(pq.read_table(path).to_pylist(), start=1)
@@ -148,6 +150,7 @@ def _json_rows(path: Path, split: str) -> Iterator[tuple[int, Any]]:
 
 def _hub_rows(name: str, spec: DatasetSpec, split: str) -> Iterator[tuple[int, Any]]:
     try:
+        # lazy: datasets: only the hub loader needs it (it imports pyarrow and pandas)
         import datasets
 
         rows = datasets.load_dataset(spec.hub, spec.config, split=split)

@@ -357,6 +357,7 @@ def _points(curve: Sequence[dict], x_key: str, y_key: str, x_fn=lambda x: x) -> 
 
 
 def _plot_acc_vs_rag(ax, results: dict) -> None:
+    # lazy: matplotlib: only the plots need it, and it takes seconds to import
     from matplotlib import colormaps
 
     avg, curves = results.get("average") or {}, results.get("curves") or {}
@@ -410,6 +411,7 @@ def write_plots(results: dict, out_dir: str | os.PathLike) -> list[Path]:
     # A Figure on an Agg canvas, not pyplot: no global backend switch and no figure registry, so
     # this is safe inside notebooks and threads and leaks nothing.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    # lazy: matplotlib: only the plots need it, and it takes seconds to import
     from matplotlib.figure import Figure
 
     out_dir, paths = Path(out_dir), []

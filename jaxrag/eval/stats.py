@@ -76,6 +76,7 @@ def paired_difference(boot: StratifiedBootstrap, a: np.ndarray, b: np.ndarray) -
 def auroc(labels: np.ndarray, scores: np.ndarray) -> float:
     """AUROC as the Mann-Whitney U of the positives' scores over the negatives' (ties count
     half; equals sklearn's roc_auc_score), NaN with one class. Fast enough for 1,000 draws."""
+    # lazy: scipy: only this statistic needs it
     from scipy.stats import mannwhitneyu
 
     labels = np.asarray(labels, bool)

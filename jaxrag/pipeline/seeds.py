@@ -72,6 +72,7 @@ def load(workdirs: list[Path]) -> dict[str, dict]:
 
 def t_interval(values: list[float]) -> list[float] | None:
     """95% t-interval of the mean over seeds; None with fewer than two (null in JSON, not NaN)."""
+    # lazy: scipy: only this statistic needs it
     from scipy import stats
 
     x = np.asarray(values, np.float64)

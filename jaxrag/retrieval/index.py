@@ -241,6 +241,7 @@ class VectorIndex:
 
     def searchers(self) -> list:
         if self._searchers is None:
+            # lazy: scann: a large native library, loaded only where an index is built or searched
             from scann.scann_ops.py import scann_ops_pybind
 
             dirs = [self.path / SCANN_DIR / f"{i:05d}" for i in range(len(self.meta.shard_rows))]

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.encoder_io import TextEncoder, load_encoder
@@ -54,8 +55,6 @@ class CorpusOffsets:
     Integer ids (DPR's 1..21M) live in one int64 array; other ids in a dict."""
 
     def __init__(self, corpus: str | os.PathLike, progress: bool = True):
-        from tqdm.auto import tqdm
-
         self.corpus, self._other = corpus, {}
         self._by_int = np.full(1 << 20, -1, np.int64)  # grows by doubling; no 21M-entry dict
         for p, offset in tqdm(read_corpus_rows(corpus), desc="scan corpus", unit="passage", disable=not progress):

@@ -132,6 +132,7 @@ def _anisotropic_threshold(vectors: np.ndarray) -> float:
 
 def build_scann_shards(vectors: np.ndarray, settings: dict, out: Path, progress: bool = True) -> list[int]:
     """One ScaNN searcher (tree + AH [+ reorder]) per contiguous shard of rows -> shard sizes."""
+    # lazy: scann: a large native library, loaded only where an index is built or searched
     from scann.scann_ops.py import scann_ops_pybind
 
     bounds = np.linspace(0, len(vectors), settings["shards"] + 1).astype(int)

@@ -39,6 +39,7 @@ class MetricsLogger:
             return
         _keep_until(self.path, start_step)
         try:
+            # lazy: tensorboardX: only when TensorBoard logs are written
             from tensorboardX import SummaryWriter
             self.writer = SummaryWriter(str(Path(workdir) / "tensorboard"), purge_step=start_step + 1)
         except ImportError:  # an optional extra: the JSONL log is the record
