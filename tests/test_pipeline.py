@@ -277,6 +277,29 @@ def test_an_eval_only_change_redoes_eval_and_export_only(workdir, tmp_path, caps
     assert statuses(capsys.readouterr().out) == ["done"] * 10
 
 
+def test_tau_is_chosen_on_validation_before_the_first_eval(workdir, tmp_path):
+    """`python -m jaxrag.eval.tau` reads a workdir finished up to the baselines: its config from
+    W/config.json (what the run was built with), the same curves as from an evaluated workdir;
+    a workdir whose baselines are not finished is refused, naming the stage and the command."""
+    from jaxrag.pipeline import tau
+
+    want = json.loads(json.dumps(mini_config().to_dict(), default=str))
+    assert json.loads((workdir / "config.json").read_text()) == want
+    w = tmp_path / "w"
+    shutil.copytree(workdir, w, ignore=shutil.ignore_patterns("results.json", "report.md", "plots", "export"))
+    before = tau.main([str(w), "--json", str(tmp_path / "tau.json")])
+    assert json.loads((tmp_path / "tau.json").read_text())["best"] == before["best"]
+    (w / "config.json").unlink()  # a workdir from before config.json: the evaluated config
+    shutil.copy(workdir / "results.json", w / "results.json")
+    assert tau.main([str(w)])["curves"] == before["curves"]
+    for rule, points in before["curves"].items():  # a higher threshold never retrieves more
+        fracs = [p["rag_frac"] for p in points]
+        assert fracs == sorted(fracs, reverse=True), rule
+    shutil.rmtree(w / "baselines")
+    with pytest.raises(JaxragError, match=r"stage baselines is not finished; .*stop_after=baselines"):
+        tau.main([str(w)])
+
+
 def test_stop_after_stops(tmp_path, capsys):
     cfg = mini_config()
     cfg.pipeline.stop_after = "world"

@@ -1,5 +1,5 @@
 """`python -m jaxrag.eval.tau W [W ...] [--json OUT]`: a model's uniform thresholds, chosen on
-finished workdirs' validation split. The tool is `jaxrag.pipeline.tau`: it loads the workdirs' models."""
+the validation split of workdirs finished up to the baselines. The tool is `jaxrag.pipeline.tau`: it loads the workdirs' models."""
 
 import sys
 

@@ -12,6 +12,8 @@ interrupted stage is redone from its own checkpoints or shards.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -46,6 +48,11 @@ def _stages():
         ("eval", eval.eval_stage, exists("results.json")),
         ("export", export.export_stage, exists("export")),
     ]
+
+
+def stage_done(name: str, workdir: Path) -> bool:
+    """Whether stage `name`'s completion marker is in `workdir`."""
+    return next(done for n, _, done in _stages() if n == name)(Path(workdir))
 
 
 def preflight(cfg: ConfigDict) -> None:
@@ -93,6 +100,8 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
     workers = _workers(cfg)
     workdir.mkdir(parents=True, exist_ok=True)
     leader = _is_leader()
+    if leader:
+        write_config(cfg, workdir)
 
     def stage_task(i: int, name: str, stage, step):
         head = f"[{i}/{len(stages)}] {name}:"
@@ -125,6 +134,18 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
     if (workdir / "report.md").is_file() and (not stop_after or stop_after in ("eval", "export")):
         print((workdir / "report.md").read_text(encoding="utf-8"), flush=True)
     return {name: workdir / name for name in names}
+
+
+CONFIG_FILE = "config.json"  # W/config.json: the config of the last run that got past the checks
+
+
+def write_config(cfg: ConfigDict, workdir: Path) -> None:
+    """`W/config.json`: what the workdir's stages were (or are being) built from, for tools that read
+    a workdir before its eval has written `results.json` (`python -m jaxrag.eval.tau`)."""
+    path = workdir / CONFIG_FILE
+    tmp = path.with_name(f".{CONFIG_FILE}.tmp")
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _workers(cfg: ConfigDict) -> int:

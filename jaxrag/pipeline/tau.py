@@ -3,8 +3,10 @@ model-specific tau (§4.1): never per run, never on a test set.
 
     python -m jaxrag.eval.tau W [W ...] [--json OUT]
 
-For each finished workdir W (its config is the one its eval ran with, from `W/results.json`),
-decodes the training mixture's validation split (`eval_items`' validation part, never a test
+For each workdir W whose stages up to the baselines are finished (its config is the one they were
+built with, `W/config.json`; before the pipeline wrote that file, the one in `W/results.json`), so
+that the thresholds are chosen before the first eval
+(`python -m jaxrag.train ... --config.pipeline.stop_after=baselines`), decodes the training mixture's validation split (`eval_items`' validation part, never a test
 question) along both knowledge paths of the SR-RAG model and of Selective RAG, and prints, on a
 grid of thresholds, the validation accuracy and % retrieval (averages over datasets, as Table 1)
 of each thresholded rule: SR-RAG (p_M x p_D > tau), w/o kNN (p_M > tau) and Selective RAG
@@ -27,10 +29,12 @@ from jaxrag.errors import JaxragError
 from jaxrag.eval import harness
 from jaxrag.eval.harness import Decision, summarize
 from jaxrag.pipeline.eval import MODELS
+from jaxrag.pipeline.run import CONFIG_FILE, stage_done
 from jaxrag.pipeline.workdir import eval_items, load, retriever, route_config
 from jaxrag.policies import srrag as srrag_policies
 from jaxrag.retrieval.datastore import PolicyDatastore
 
+READS = ("stage2", "datastore", "baselines")  # the SR-RAG model, its datastore, Selective RAG's model
 GRID = tuple(round(t, 2) for t in np.arange(0.05, 1.0, 0.05))
 RULES = {  # rule: (model whose paths it routes, uses the policy datastore)
     "srrag": ("srrag", True),
@@ -41,10 +45,7 @@ RULES = {  # rule: (model whose paths it routes, uses the policy datastore)
 
 def validation_scores(workdir: Path) -> dict[str, tuple]:
     """rule -> (validation Paths, the rule's score per question) for one finished workdir."""
-    results = workdir / "results.json"
-    if not results.is_file():
-        raise JaxragError(f"{results}: no such file (run the pipeline's eval stage in {workdir} first)")
-    cfg = ConfigDict(json.loads(results.read_text())["config"])
+    cfg = workdir_config(workdir)
     val, _ = eval_items(cfg, workdir)
     if not val:
         raise JaxragError(f"{workdir}: the training mixture has no validation questions")
@@ -61,6 +62,22 @@ def validation_scores(workdir: Path) -> dict[str, tuple]:
             if knn else None
         out[rule] = (paths[key], harness.decide(srrag_policies.srrag_policy(nb, 0.0), paths[key], bs).score)
     return out
+
+
+def workdir_config(workdir: Path) -> ConfigDict:
+    """The config W's models were built with, once the stages this tool reads are finished."""
+    config, results = workdir / CONFIG_FILE, workdir / "results.json"
+    if config.is_file():
+        cfg = ConfigDict(json.loads(config.read_text(encoding="utf-8")))
+    elif results.is_file():
+        cfg = ConfigDict(json.loads(results.read_text(encoding="utf-8"))["config"])
+    else:
+        raise JaxragError(f"{workdir}: neither {CONFIG_FILE} nor results.json (not a pipeline workdir?)")
+    for name in READS:
+        if not stage_done(name, workdir):
+            raise JaxragError(f"{workdir}: stage {name} is not finished; run `python -m jaxrag.train --config ... "
+                              f"--workdir {workdir} --config.pipeline.stop_after=baselines` first")
+    return cfg
 
 
 def curves(per_workdir: list[dict[str, tuple]]) -> dict[str, list[dict]]:
