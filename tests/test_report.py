@@ -4,7 +4,8 @@ written atomically."""
 import pytest
 
 from jaxrag.eval import report
-from jaxrag.eval.report import fmt_latency, render_report, write_plots, write_report
+from jaxrag.eval.plots import write_plots, write_report
+from jaxrag.eval.report import fmt_latency, render_report
 
 
 def _cells(md: str, first: str) -> list[str]:

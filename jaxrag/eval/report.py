@@ -1,22 +1,19 @@
-"""The eval stage's human-readable output: `report.md` laid out like the paper's tables, and plots.
+"""The eval stage's human-readable output: `report.md` laid out like the paper's tables (its plots
+and the files: `jaxrag.eval.plots`).
 
 Input is the results dict of `results.json` (docs/method.md, shared formats). Tables follow the paper: Table 1 (ACC
 and % RAG per dataset, then the average and latency per item), Table 2 (source-selection accuracy
 and AUROC), Table 3 (SR-RAG against its ablations), the construct stage's Table 5-style
-statistics, and the run's config. Plots: average accuracy against % retrieval for every method,
-and Figure 4's latency-accuracy trade-off along SR-RAG's tau sweep.
+statistics, and the run's config.
 
-Rendering is pure (dict -> str) so it can be tested and re-run on an old `results.json`; files are
-written to a temp path and renamed, as every artifact of the pipeline is (docs/pipeline.md).
+Rendering is pure (dict -> str) so it can be tested and re-run on an old `results.json`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +43,13 @@ PAPER_TABLE1 = {
               "selective_rag": (0.655, 0.85), "srrag_always_rag": (0.663, 1.0), "srrag": (0.686, 0.67)},
 }
 MISSING = "–"
-REPORT_FILE, PLOTS_DIR = "report.md", "plots"
-ACC_VS_RAG_PNG, LATENCY_PNG = "accuracy_vs_retrieval.png", "latency_accuracy.png"
 
 
 # ---------------------------------------------------------------------------------------------
 # Number formats (paper: ACC 0.644, % RAG 64%; latency in seconds to 3 significant digits)
 # ---------------------------------------------------------------------------------------------
 
-def _num(v: Any) -> float | None:
+def number(v: Any) -> float | None:
     """None for absent, null or NaN (json.dump writes NaN for an empty split's mean)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
         return None
@@ -62,17 +57,17 @@ def _num(v: Any) -> float | None:
 
 
 def fmt_acc(v: Any) -> str:
-    return MISSING if (x := _num(v)) is None else f"{x:.3f}"
+    return MISSING if (x := number(v)) is None else f"{x:.3f}"
 
 
 def fmt_pct(v: Any) -> str:
-    return MISSING if (x := _num(v)) is None else f"{100 * x:.0f}%"
+    return MISSING if (x := number(v)) is None else f"{100 * x:.0f}%"
 
 
 def fmt_latency(v: Any) -> str:
     # Fixed-point with 3 significant digits ("0.0123", "1.50", "123"): `:.3g` would drop trailing
     # zeros and switch to exponents past 999 s.
-    if (x := _num(v)) is None:
+    if (x := number(v)) is None:
         return MISSING
     if x == 0 or math.isinf(x):
         return f"{x:.2f}"
@@ -80,25 +75,25 @@ def fmt_latency(v: Any) -> str:
 
 
 def fmt_delta(v: Any, pct: bool = False) -> str:
-    if (x := _num(v)) is None:
+    if (x := number(v)) is None:
         return MISSING
     return f"{100 * x:+.0f} pp" if pct else f"{x:+.3f}"
 
 
 def fmt_ci(v: Any) -> str:
     """" [lo, hi]" after a value, or nothing when absent."""
-    if not isinstance(v, (list, tuple)) or len(v) != 2 or any(_num(x) is None for x in v):
+    if not isinstance(v, (list, tuple)) or len(v) != 2 or any(number(x) is None for x in v):
         return ""
     return f" [{v[0]:.3f}, {v[1]:.3f}]"
 
 
-def _method_order(keys) -> list[str]:
+def method_order(keys) -> list[str]:
     """Known methods in display order, then any unknown key (a new policy) so nothing is hidden."""
     keys = set(keys)
     return [m for m in METHODS if m in keys] + sorted(keys - set(METHODS))
 
 
-def _name(method: str) -> str:
+def display_name(method: str) -> str:
     return METHODS.get(method, method)
 
 
@@ -114,14 +109,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def table1(results: dict) -> str:
     """Rows = methods, columns = ACC and % RAG per dataset, then average ACC, % RAG, latency."""
     datasets, average = results.get("datasets") or {}, results.get("average") or {}
-    methods = _method_order({m for d in datasets.values() for m in d} | set(average))
+    methods = method_order({m for d in datasets.values() for m in d} | set(average))
     if not methods:
         return ""
     header = ["Method"] + [f"{d} {c}" for d in datasets for c in ("ACC", "% RAG")]
     header += ["Average ACC", "Average % RAG", "Latency / item (s)"]
     rows = []
     for m in methods:
-        row = [_name(m)]
+        row = [display_name(m)]
         for d in datasets.values():
             e = d.get(m) or {}
             row += [fmt_acc(e.get("acc")), fmt_pct(e.get("rag_frac"))]
@@ -142,13 +137,13 @@ def table2(results: dict) -> str:
     out = []
     for key, title in (("acc_verb_ge_ret", "Accuracy (verbalization ≥ retrieval)"),
                        ("auroc_ret_gt_verb", "AUROC (retrieval > verbalization)")):
-        rows = [[_name(m)] + [fmt_acc(((e.get("per_dataset") or {}).get(n) or {}).get(key)) for n in names]
-                + [fmt_acc(e.get(key))] for m, e in ((m, sel[m]) for m in _method_order(sel))]
+        rows = [[display_name(m)] + [fmt_acc(((e.get("per_dataset") or {}).get(n) or {}).get(key)) for n in names]
+                + [fmt_acc(e.get(key))] for m, e in ((m, sel[m]) for m in method_order(sel))]
         out.append(f"{title}\n\n" + _table(["Method", *names, "Average"], rows))
     left = {m: e["auroc_left_out"] for m, e in sel.items() if e.get("auroc_left_out")}
     if left:
         out.append("AUROC averages leave out datasets where one class is absent: "
-                   + "; ".join(f"{_name(m)}: {', '.join(v)}" for m, v in left.items()) + ".\n")
+                   + "; ".join(f"{display_name(m)}: {', '.join(v)}" for m, v in left.items()) + ".\n")
     return "\n".join(out)
 
 
@@ -159,8 +154,8 @@ def comparisons_table(results: dict) -> str:
         for key, e in (results.get(section) or {}).items():
             a, b = key.split(" - ")
             verdict = "yes" if e.get("significant") else "no (inside the noise)"
-            rows.append([f"{_name(a)} − {_name(b)}", what, fmt_delta(e.get("diff")), fmt_ci(e.get("ci95")).strip(),
-                         verdict])
+            rows.append([f"{display_name(a)} − {display_name(b)}", what, fmt_delta(e.get("diff")),
+                         fmt_ci(e.get("ci95")).strip(), verdict])
     return _table(["Difference", "of", "Δ", "95% CI (paired bootstrap)", "excludes 0"], rows) if rows else ""
 
 
@@ -170,11 +165,11 @@ def latency_table(results: dict) -> str:
     harness's decisions and answers."""
     lat = results.get("latency") or {}
     which = (results.get("config") or {}).get("latency_questions")
-    rows = [[_name(m), fmt_latency(e.get("latency_s"))] + [fmt_latency((e.get("phases") or {}).get(p))
+    rows = [[display_name(m), fmt_latency(e.get("latency_s"))] + [fmt_latency((e.get("phases") or {}).get(p))
                                                            for p in ("T_d", "T_v", "T_r", "T_g")]
             + [fmt_pct(e.get("rag_frac")), fmt_pct(e.get("decisions_equal_harness")),
                fmt_pct(e.get("answers_equal_harness")), str(e.get("n", MISSING))]
-            for m, e in ((m, lat[m]) for m in _method_order(lat))]
+            for m, e in ((m, lat[m]) for m in method_order(lat))]
     header = ["Method", "Latency / item (s)", "T_d", "T_v", "T_r", "T_g", "% RAG", "same decision", "same answer", "n"]
     if not rows:
         return ""
@@ -185,9 +180,9 @@ def training_table(results: dict) -> str:
     """Each fine-tuned model's training stages as run (`config.training`): Selective RAG gets
     the same second stage as SR-RAG (data, steps, lr, schedule) on its own stage-1 loss."""
     training = (results.get("config") or {}).get("training") or {}
-    rows = [[_name(m), st.get("name", MISSING), st.get("objective", MISSING), str(st.get("epochs", MISSING)),
+    rows = [[display_name(m), st.get("name", MISSING), st.get("objective", MISSING), str(st.get("epochs", MISSING)),
              str(st.get("steps") if st.get("steps") is not None else MISSING), f"{st.get('lr', float('nan')):.3g}"]
-            for m in _method_order(training) for st in (training[m] or {}).get("stages", [])]
+            for m in method_order(training) for st in (training[m] or {}).get("stages", [])]
     if not rows:
         return ""
     note = ("Selective RAG gets the same second stage as SR-RAG (stage 2's data, epochs, learning rate and "
@@ -199,7 +194,7 @@ def training_table(results: dict) -> str:
 def chosen_on_validation(results: dict) -> str:
     """Selective RAG at SR-RAG's % retrieval, its threshold chosen on the validation split."""
     e = results.get("selective_rag_at_srrag_retrieval") or {}
-    if _num(e.get("acc")) is None:
+    if number(e.get("acc")) is None:
         return ""
     return (f"Selective RAG at SR-RAG's % retrieval (threshold {e['threshold']:.4g} chosen on the validation split, "
             f"where SR-RAG retrieves {fmt_pct(e.get('srrag_rag_frac_validation'))} and Selective RAG "
@@ -211,9 +206,9 @@ def kind_table(results: dict) -> str:
     """The embedded world: ACC (% RAG) per dataset and question kind, with each method's two
     paths' own accuracies (retrieval / the other path), so a gain can be traced to its questions."""
     kinds = results.get("by_kind") or {}
-    rows = [[_name(m), key, str(e["n"]), f"{fmt_acc(e['acc'])} ({fmt_pct(e['rag_frac'])})",
+    rows = [[display_name(m), key, str(e["n"]), f"{fmt_acc(e['acc'])} ({fmt_pct(e['rag_frac'])})",
              fmt_acc(e["acc_retrieval"]), fmt_acc(e["acc_other"])]
-            for m in _method_order(kinds) for key, e in kinds[m].items()]
+            for m in method_order(kinds) for key, e in kinds[m].items()]
     header = ["Method", "dataset/kind", "n", "ACC (% RAG)", "retrieval path", "other path"]
     return _table(header, rows) if rows else ""
 
@@ -223,7 +218,7 @@ def paper_table(results: dict) -> str:
     model = (results.get("config") or {}).get("model") or {}
     paper = PAPER_TABLE1.get(model.get("family")) if model.get("path") else None
     avg = results.get("average") or {}
-    rows = [[_name(m), fmt_acc(acc), fmt_pct(rag), fmt_acc((avg.get(m) or {}).get("acc")),
+    rows = [[display_name(m), fmt_acc(acc), fmt_pct(rag), fmt_acc((avg.get(m) or {}).get("acc")),
              fmt_pct((avg.get(m) or {}).get("rag_frac"))] for m, (acc, rag) in (paper or {}).items()]
     return _table(["Method", "paper ACC", "paper % RAG", "ours ACC", "ours % RAG"], rows) if rows else ""
 
@@ -257,14 +252,14 @@ def table3(results: dict) -> str:
     ref = average.get("srrag") or {}
 
     def delta(e: dict, key: str):
-        a, b = _num(e.get(key)), _num(ref.get(key))
+        a, b = number(e.get(key)), number(ref.get(key))
         return None if a is None or b is None else a - b
 
     rows = []
     for m in present:
         e = average[m] or {}
         is_ref = m == "srrag"
-        rows.append([_name(m), fmt_acc(e.get("acc")), "ref" if is_ref else fmt_delta(delta(e, "acc")),
+        rows.append([display_name(m), fmt_acc(e.get("acc")), "ref" if is_ref else fmt_delta(delta(e, "acc")),
                      fmt_pct(e.get("rag_frac")), "ref" if is_ref else fmt_delta(delta(e, "rag_frac"), pct=True)])
     return _table(["Method", "Average ACC", "Δ ACC", "Average % RAG", "Δ % RAG"], rows)
 
@@ -275,7 +270,7 @@ def construct_table(results: dict) -> str:
     if isinstance(con.get("table"), str) and con["table"].strip():
         return con["table"].rstrip("\n") + "\n"
     per = con.get("datasets") or {}
-    cell = lambda v: MISSING if (x := _num(v)) is None else f"{x:.1f}"
+    cell = lambda v: MISSING if (x := number(v)) is None else f"{x:.1f}"
     rows = [[name, cell(e.get("self_pct")), cell(e.get("flip_pct"))] for name, e in per.items()]
     return _table(["Dataset", "% Self (Table 5)", "% flip (Fig. 3)"], rows) if rows else ""
 
@@ -302,7 +297,7 @@ def render_report(results: dict, images: Sequence[str] = ()) -> str:
     avg = results.get("average") or {}
     out = ["# jaxrag evaluation report\n"]
     sr, ar = avg.get("srrag") or {}, avg.get("srrag_always_rag") or {}
-    if _num(sr.get("acc")) is not None and _num(ar.get("acc")) is not None:
+    if number(sr.get("acc")) is not None and number(ar.get("acc")) is not None:
         out.append(f"SR-RAG: average ACC {fmt_acc(sr['acc'])} at {fmt_pct(sr.get('rag_frac'))} RAG, "
                    f"against {fmt_acc(ar['acc'])} for the same fine-tuned model always retrieving.\n")
     if text := protocol_text(results):
@@ -331,102 +326,3 @@ def render_report(results: dict, images: Sequence[str] = ()) -> str:
     if body := config_block(results.get("config") or {}):
         out.append(f"## Config\n\n{body}")
     return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Files (written to a temp name in the same directory, then renamed: never a half-written file)
-# ---------------------------------------------------------------------------------------------
-
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
-
-
-def _points(curve: Sequence[dict], x_key: str, y_key: str, x_fn=lambda x: x) -> tuple[list, list]:
-    pts = sorted((x_fn(_num(p.get(x_key))), _num(p.get(y_key))) for p in curve
-                 if _num(p.get(x_key)) is not None and _num(p.get(y_key)) is not None)
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def _plot_acc_vs_rag(ax, results: dict) -> None:
-    # lazy: matplotlib: only the plots need it, and it takes seconds to import
-    from matplotlib import colormaps
-
-    avg, curves = results.get("average") or {}, results.get("curves") or {}
-    for i, m in enumerate(_method_order(set(avg) | set(curves))):
-        color = colormaps["tab20"](i % 20)  # 20 distinct colours: all twelve methods stay apart
-        xs, ys = _points(curves.get(m) or [], "rag_frac", "acc", lambda x: 100 * x)
-        if xs:
-            ax.plot(xs, ys, "-", color=color, alpha=0.6, lw=1.2)
-        e = avg.get(m) or {}
-        x, y = _num(e.get("rag_frac")), _num(e.get("acc"))
-        if x is not None and y is not None:
-            ax.plot(100 * x, y, "o", color=color)
-            ax.annotate(_name(m), (100 * x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    ax.set(xlabel="% retrieval", ylabel="average accuracy", title="Accuracy vs retrieval budget")
-    ax.grid(alpha=0.3)  # points are labelled in place: a legend would only repeat the names
-
-
-def _plot_latency_accuracy(ax, results: dict) -> None:
-    """Paper Figure 4: x = proportion verbalized (1 - % RAG) along SR-RAG's tau sweep; accuracy
-    on the left axis, latency per item on the right; always-RAG and GenRead as reference points."""
-    # Measured routed batches when the eval ran them (`figure4`), else the harness sweep.
-    curve = results.get("figure4") or (results.get("curves") or {}).get("srrag") or []
-    avg = results.get("average") or {}
-    ax2 = ax.twinx()
-    xs, acc = _points(curve, "rag_frac", "acc", lambda x: 1 - x)
-    lx, lat = _points(curve, "rag_frac", "latency_s", lambda x: 1 - x)
-    if xs:
-        ax.plot(xs, acc, "-o", color="C0", ms=3, label="SR-RAG accuracy (tau sweep)")
-    if lx:
-        ax2.plot(lx, lat, "--s", color="C3", ms=3, label="SR-RAG latency (tau sweep)")
-    for m, marker in (("srrag", "*"), ("srrag_always_rag", "^"), ("no_ft_always_rag", "v"), ("no_ft_genread", "D")):
-        e = avg.get(m) or {}
-        if (r := _num(e.get("rag_frac"))) is None:
-            continue
-        if (a := _num(e.get("acc"))) is not None:
-            ax.plot(1 - r, a, marker, color="C0", ms=8, mfc="none", label=f"{_name(m)} accuracy")
-        if (t := _num(e.get("latency_s"))) is not None:
-            ax2.plot(1 - r, t, marker, color="C3", ms=8, mfc="none", label=f"{_name(m)} latency")
-    ax.set(xlabel="proportion of verbalization (1 - % RAG)", ylabel="accuracy", title="Latency-accuracy trade-off")
-    ax2.set_ylabel("latency per item (s)")
-    ax.grid(alpha=0.3)
-    handles = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
-    if handles:
-        # Below the axes: inside, it hides the curves it explains.
-        ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-
-
-def write_plots(results: dict, out_dir: str | os.PathLike) -> list[Path]:
-    """Both PNGs into out_dir (always written, empty axes when the data is absent, so the report's
-    links never dangle). Returns their paths."""
-    # A Figure on an Agg canvas, not pyplot: no global backend switch and no figure registry, so
-    # this is safe inside notebooks and threads and leaks nothing.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    # lazy: matplotlib: only the plots need it, and it takes seconds to import
-    from matplotlib.figure import Figure
-
-    out_dir, paths = Path(out_dir), []
-    for name, draw in ((ACC_VS_RAG_PNG, _plot_acc_vs_rag), (LATENCY_PNG, _plot_latency_accuracy)):
-        fig = Figure(figsize=(7, 6), dpi=100)
-        FigureCanvasAgg(fig)
-        draw(fig.add_subplot(), results)
-        fig.tight_layout()
-        paths.append(_atomic_write(out_dir / name, lambda f, fig=fig: fig.savefig(f, format="png")))
-    return paths
-
-
-def write_report(results: dict, workdir: str | os.PathLike) -> Path:
-    """workdir/report.md plus workdir/plots/*.png, the report linking the plots."""
-    workdir = Path(workdir)
-    plots = write_plots(results, workdir / PLOTS_DIR)
-    text = render_report(results, images=[p.relative_to(workdir).as_posix() for p in plots])
-    return _atomic_write(workdir / REPORT_FILE, lambda f: f.write(text), mode="w")

@@ -19,7 +19,7 @@ from jaxrag.data.mixture import stratified_sample
 from jaxrag.eval import harness, latency
 from jaxrag.eval.harness import Decision, Paths
 from jaxrag.eval.methods import CONSTANT, METHODS, PAPER_VERSION, POST_HOC, Evaluation
-from jaxrag.eval.report import write_report
+from jaxrag.eval.plots import write_report
 from jaxrag.eval.selectors import SEAKR_FIT_QUESTIONS, SeedSelectors, knows
 from jaxrag.models.tokens import SELF, WIKI
 from jaxrag.pipeline.finetune import training_record
