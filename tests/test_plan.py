@@ -95,6 +95,33 @@ print("lora", lora.peak_gb, lora.fits, lora.flops)
     assert float(rows["lora"][2]) == pytest.approx(0.75 * float(rows["full"][2]))
 
 
+def test_a_stand_in_cpu_plan_leaves_out_the_cpu_only_weight_copies():
+    """Qwen2.5-7B with LoRA on one device: the routed decode step holds the merged bf16 weights
+    and the KV cache, and nothing of their size more on an accelerator (measured on one H100:
+    17.2 GB). XLA-CPU multiplies a float32 copy of every bf16 weight, live at once across the
+    unrolled layers; the stand-in plan leaves those out beyond one layer's copy."""
+    script = """
+from jaxrag.pipeline.config import get_config_for
+from jaxrag.plan.fit import measure, plan_devices
+cfg = get_config_for("qwen2", "")
+cfg.model.lora.rank = 16
+for stand_in in (False, True):
+    r = measure(cfg, plan_devices(1), "h100", 60.0, 0.1, 0.5, log=lambda *_: None,
+                only=("routed decoding: decode step",), stand_in=stand_in)[0]
+    print("row", stand_in, r.peak_gb)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**ENV, "XLA_FLAGS": PLAN_XLA_FLAGS},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cpu, stand_in = (float(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("row"))
+    # bf16 weights of Qwen2.5-7B (7.62B params, the vocab padded for the SR-RAG tokens) and the
+    # cache of 16 rows x 28 layers x K, V x 4 kv heads x 128 dims, by the formula
+    weights = 2 * (7.616e9 + 2 * 3584 * 4)
+    layer_copy = 4 * 6.53e9 / 28  # one layer's float32 copy
+    assert weights / 1e9 < stand_in < (weights + 2.0e9 + layer_copy) / 1e9, stand_in
+    assert cpu > stand_in + 20  # XLA-CPU still copies: else this correction has to go
+
+
 def test_failures_name_the_settings_that_fit():
     rows = [Row("stage1 step", 70.0, 1e15, 65536, 796, 0.2, 20.0, False,
                 ("--config.stage1.per_device_batch_size=4", "--config.model.remat=block")),

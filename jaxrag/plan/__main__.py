@@ -69,7 +69,9 @@ def main(argv) -> None:
         print(f"plan: {cfg.model.path} on {n} x {_ACCEL.value} ({memory:.0f} GB, JAX may use {_FRACTION.value:.0%} "
               f"= {usable:.1f} GB, {_HEADROOM.value:.0%} kept free), remat={cfg.model.get('remat', 'none')}, "
               f"MFU {_MFU.value:.0%}", flush=True)
-        rows = measure(cfg, plan_devices(n), _ACCEL.value, usable, _HEADROOM.value, _MFU.value)
+        devices = plan_devices(n)
+        rows = measure(cfg, devices, _ACCEL.value, usable, _HEADROOM.value, _MFU.value,
+                       stand_in=devices[0].platform == "cpu")
         print(table(rows))
         train = sum(r.hours or 0 for r in rows if r.name in ("stage1 step", "stage2 step", "DPO reference scoring"))
         print(f"stage 1 + stage 2 (with DPO reference scoring): {train:.1f} h on {n} x {_ACCEL.value} at "

@@ -53,9 +53,10 @@ def plan_devices(n: int):
 
 
 def measure(cfg, devices, accelerator: str, usable_gb: float, headroom: float, mfu: float,
-            log=print, only: tuple[str, ...] = ()) -> list[Row]:
+            log=print, only: tuple[str, ...] = (), stand_in: bool = False) -> list[Row]:
     """Compiles every program (or those named in `only`) on a mesh over `devices` (the config's
-    mesh shape) and sizes it."""
+    mesh shape) and sizes it. `stand_in`: `devices` are CPU devices standing in for `accelerator`,
+    so the float32 weight copies only XLA-CPU makes are left out (`Program.cpu_upcast_bytes`)."""
     # jax loads here, not on import: `python -m jaxrag.plan` reads PLAN_XLA_FLAGS before jax starts
     from jaxrag import sharding
     from jaxrag.plan.programs import pipeline_programs
@@ -67,7 +68,8 @@ def measure(cfg, devices, accelerator: str, usable_gb: float, headroom: float, m
         start = time.perf_counter()
         m = p.lower().compile().memory_analysis()
         seconds = time.perf_counter() - start
-        peak = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 1e9
+        temp = m.temp_size_in_bytes - (p.cpu_upcast_bytes if stand_in else 0)
+        peak = (temp + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes) / 1e9
         per_call = max(p.flops / (peak_flops * len(devices) * mfu), p.read_bytes / (bandwidth * mfu))
         hours = p.calls * per_call / 3600 if p.calls else None
         rows.append(Row(p.name, peak, p.flops, p.tokens, p.calls, hours, seconds, peak <= limit, p.fixes))

@@ -64,6 +64,11 @@ class Program:
     calls: int  # per pipeline run (0 = per request, not estimated)
     read_bytes: float  # bytes one device reads per call: parameters, and a decode step's KV cache
     fixes: tuple[str, ...]  # settings that shrink it, for the "does not fit" line
+    # XLA-CPU has no bf16 matmul: it multiplies a float32 copy of each bf16 weight, and with the
+    # generation programs' layers unrolled every layer's copy is live at once (26 GB for a 7B
+    # model). An accelerator multiplies bf16 natively; compiled for fake CPU devices standing in
+    # for one, the plan leaves out these bytes beyond one layer's copy (`fit.measure`).
+    cpu_upcast_bytes: float = 0.0
 
     def lower(self) -> jax.stages.Lowered:
         return self.fn.lower(*self.args)
@@ -164,6 +169,9 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     inf_graphdef, inf_state = nnx.split(inf_decoder)
     inf_params = _abstract(nnx.to_pure_dict(inf_state), sharding.param_shardings(mesh, inf_decoder))
     inf_param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inf_params)) / mesh.size
+    upcast = [sum(4 * x.size for x in jax.tree.leaves(layer) if x.ndim >= 2 and x.dtype == jnp.bfloat16)
+              for layer in inf_params["layers"].values()]
+    upcast_bytes = (sum(upcast) - max(upcast)) / mesh.size
 
     def extend_program(name, rows, chunk, slots, calls, fixes, hidden_layer=None):
         dtype = jnp.dtype(dec_cfg.dtype)
@@ -185,7 +193,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
         cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache)) / dp  # batch-sharded
         programs.append(Program(name, fn, (inf_params, abstract_state, inputs["ids"], inputs["mask"]),
                                 forward_flops(dec_cfg, rows, chunk, slots, 1), rows * chunk, calls,
-                                inf_param_bytes + cache_bytes, fixes))
+                                inf_param_bytes + cache_bytes, fixes, upcast_bytes))
 
     c, inf = cfg.construct, cfg.inference
     verbal = int(c.verbalize_max_tokens)
