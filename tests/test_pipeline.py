@@ -300,6 +300,41 @@ def test_tau_is_chosen_on_validation_before_the_first_eval(workdir, tmp_path):
         tau.main([str(w)])
 
 
+def test_an_interrupted_eval_resumes_after_the_last_model_it_finished(workdir, tmp_path, monkeypatch):
+    """Killed while loading the third fine-tuned model, the eval has kept the state after the
+    second (W/eval_parts/srrag.pkl); the rerun decodes only the models after it, and its results
+    equal the uninterrupted run's."""
+    from jaxrag.eval import harness
+    from jaxrag.pipeline import eval as eval_stage
+
+    w = tmp_path / "w"
+    shutil.copytree(workdir, w, ignore=shutil.ignore_patterns("results.json", "report.md", "plots", "export"))
+    load = eval_stage.load
+
+    def killed_at_no_dpo(cfg, path, **kw):
+        if "no_dpo" in str(path):
+            raise KeyboardInterrupt
+        return load(cfg, path, **kw)
+
+    monkeypatch.setattr(eval_stage, "load", killed_at_no_dpo)
+    with pytest.raises(KeyboardInterrupt):
+        eval_stage.eval_stage(mini_config(), w)
+    assert sorted(p.name for p in (w / "eval_parts").iterdir()) == ["srrag.pkl"]
+    monkeypatch.setattr(eval_stage, "load", load)
+    decoded, routed_paths = [], harness.routed_paths
+    monkeypatch.setattr(harness, "routed_paths", lambda *a, **kw: decoded.append(a[-1]) or routed_paths(*a, **kw))
+    untuned, untuned_paths = [], harness.untuned_paths
+    monkeypatch.setattr(harness, "untuned_paths", lambda *a, **kw: untuned.append(1) or untuned_paths(*a, **kw))
+    eval_stage.eval_stage(mini_config(), w)
+    assert decoded == ["no_dpo paths", "no_kv_label paths"] and not untuned
+    assert not (w / "eval_parts").exists()
+    got, want = (json.loads((d / "results.json").read_text()) for d in (w, workdir))
+    for m, e in want["average"].items():
+        assert (got["average"][m]["acc"], got["average"][m]["rag_frac"]) == (e["acc"], e["rag_frac"]), m
+    assert got["comparisons"].keys() == want["comparisons"].keys()
+    assert {k: v["diff"] for k, v in got["comparisons"].items()} == {k: v["diff"] for k, v in want["comparisons"].items()}
+
+
 def test_stop_after_stops(tmp_path, capsys):
     cfg = mini_config()
     cfg.pipeline.stop_after = "world"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,16 +60,21 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
         return paths.take(is_test), (paths.take(~is_test) if use_val else None)
 
     lat_items = [test[i] for i in idx]
-    # The untuned model: always-RAG and GenRead on its own prompts (constant decisions).
-    untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs)
-    for m in (m for m in METHODS if m.model == "untuned"):
-        d = ev.decide(m, untuned, None, None)[0]
-        ev.add(m, untuned, d)
-        source = WIKI if CONSTANT[m.rule] else SELF
-        ev.measured(m, latency.untuned_route_items(ev.selectors.base, lat_items, source, real_retrieve, rc, bs,
-                                                   f"{m.name} latency"), untuned, d, idx)
     val_scores = {}  # model -> its routing score on the validation questions (Figure 4, matched % retrieval)
+    done = resume(workdir, ev, val_scores)
+    # The untuned model: always-RAG and GenRead on its own prompts (constant decisions).
+    if "untuned" not in done:
+        untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs)
+        for m in (m for m in METHODS if m.model == "untuned"):
+            d = ev.decide(m, untuned, None, None)[0]
+            ev.add(m, untuned, d)
+            source = WIKI if CONSTANT[m.rule] else SELF
+            ev.measured(m, latency.untuned_route_items(ev.selectors.base, lat_items, source, real_retrieve, rc, bs,
+                                                       f"{m.name} latency"), untuned, d, idx)
+        save_part(workdir, "untuned", ev, val_scores)
     for key, (model_dir, store) in MODELS.items():
+        if key in done:
+            continue
         model = load(cfg, workdir / model_dir, inference=True)
         t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths"))
         nb = None if store is None else srrag_policies.datastore_neighbours(
@@ -83,6 +90,7 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
         if key == "srrag" and val:
             ev.results["figure4"] = figure4_points(cfg, model, t_paths, ev, nb, real_retrieve, idx, val_scores["srrag"])
         del model
+        save_part(workdir, key, ev, val_scores)
     if {"srrag", "selective"} <= set(val_scores) and "selective_rag" in ev.decisions:
         ev.results["selective_rag_at_srrag_retrieval"] = matched_retrieval(
             val_scores["srrag"], ev.thresholds["srrag"], val_scores["selective"], *ev.decisions["selective_rag"])
@@ -99,6 +107,38 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
         s = json.loads(stats_file.read_text())
         ev.results["construct"] = {"table": stats_markdown(s), "datasets": s.get("datasets", {})}
     return write_results(ev.results, workdir)
+
+
+# W/eval_parts/<unit>.pkl: the evaluation's state after each model's methods (the untuned model,
+# then MODELS in order), so that an interrupted eval resumes after the last model it finished
+# instead of decoding every path again; removed once results.json is written.
+PARTS = "eval_parts"
+UNITS = ("untuned", *MODELS)
+
+
+def save_part(workdir: Path, unit: str, ev: Evaluation, val_scores: dict) -> None:
+    parts = workdir / PARTS
+    parts.mkdir(exist_ok=True)
+    state = {"results": ev.results, "thresholds": ev.thresholds, "correct": ev.correct, "decisions": ev.decisions,
+             "val_scores": val_scores}
+    tmp = parts / f".{unit}.pkl.tmp"
+    tmp.write_bytes(pickle.dumps(state))
+    os.replace(tmp, parts / f"{unit}.pkl")
+    for old in UNITS[: UNITS.index(unit)]:  # each part holds everything before it
+        (parts / f"{old}.pkl").unlink(missing_ok=True)
+
+
+def resume(workdir: Path, ev: Evaluation, val_scores: dict) -> tuple[str, ...]:
+    """The units an interrupted eval finished (their state restored into `ev` and `val_scores`)."""
+    last = next((u for u in reversed(UNITS) if (workdir / PARTS / f"{u}.pkl").is_file()), None)
+    if last is None:
+        return ()
+    state = pickle.loads((workdir / PARTS / f"{last}.pkl").read_bytes())
+    ev.results, ev.thresholds, ev.correct, ev.decisions = (state[k] for k in ("results", "thresholds", "correct",
+                                                                              "decisions"))
+    val_scores.update(state["val_scores"])
+    print(f"  eval: resuming after {last} ({PARTS}/{last}.pkl)", flush=True)
+    return UNITS[: UNITS.index(last) + 1]
 
 
 def fit_selectors(cfg: ConfigDict, workdir: Path) -> SeedSelectors:
@@ -180,4 +220,5 @@ def write_results(results: dict, workdir: Path) -> Path:
     tmp.write_text(json.dumps(results, indent=1, default=float) + "\n")
     write_report(results, workdir)
     os.replace(tmp, out)  # last: results.json marks the stage done
+    shutil.rmtree(workdir / PARTS, ignore_errors=True)
     return out

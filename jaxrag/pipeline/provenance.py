@@ -78,7 +78,7 @@ STAGES: dict[str, Dep] = {
                                                "baselines.max_train_questions")),
     # results.json holds the whole config, and any field no stage above claims lands here
     "eval": Dep(("",), ("world", "base", "index", "construct", "stage1", "stage2", "datastore", "baselines"),
-                ("results.json", ".results.json.tmp", "report.md", "plots")),
+                ("results.json", ".results.json.tmp", "report.md", "plots", "eval_parts")),
     "export": Dep(("model", "inference", "retrieval", "construct.verbalize_max_tokens"),
                   ("eval", "stage2", "datastore", "index"), ("export",)),
 }
