@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from ml_collections import ConfigDict
+from tqdm.auto import tqdm
 
 from jaxrag.data.construct_stats import stats_markdown
 from jaxrag.data.mixture import stratified_sample
@@ -145,6 +146,7 @@ def fit_selectors(cfg: ConfigDict, workdir: Path) -> SeedSelectors:
     """The seeds' selectors (IK, SeaKR, CCSK) fitted on the workdir's training questions, judging
     the untuned base model's knowledge (`jaxrag.eval.selectors`)."""
     b, seed = cfg.baselines, int(cfg.seed)
+    progress = tqdm(total=4, desc="eval: fitting IK, SeaKR and CCSK", unit="step")
     base, encoder = load(cfg, workdir / "base", inference=True), retriever(cfg, workdir).encoder
     train_items = dataset_items(cfg, workdir, cfg.data.train, "train")
     train = stratified_sample(train_items, int(b.max_train_questions), seed)
@@ -154,12 +156,14 @@ def fit_selectors(cfg: ConfigDict, workdir: Path) -> SeedSelectors:
     answers = ik_mod.closed_book_generations(base, questions, max_new)
     judged = np.array([knows(name, base.tokenizer.decode(a[0], skip_special_tokens=True), ex)
                        for (name, ex), a in zip(train, answers)])
+    progress.update()
     ik = None
     if 0 < judged.mean() < 1:
         ik = ik_mod.fit_ik(base, questions, judged, answer_tokens=int(b.ik_answer_tokens))
     else:
         print(f"  ik: the untuned model answers {judged.mean():.0%} of the training questions closed-book; "
               "one judge class, so IK always predicts it", flush=True)
+    progress.update()
     # Retrieval-preferred labels of the training questions (the construct stage's kv labels).
     by_id = {(rec["dataset"], rec["id"]): rec["label"] == "wiki" for rec in construct_records(workdir)}
     labelled = [(item, by_id[(item[0], item[1].id)]) for item in train if (item[0], item[1].id) in by_id]
@@ -168,9 +172,12 @@ def fit_selectors(cfg: ConfigDict, workdir: Path) -> SeedSelectors:
     u = seakr_mod.seakr_uncertainty(base, [it[1].prompt_question() for it, _ in fit],
                                     samples=int(b.seakr_samples), max_new_tokens=max_new)
     seakr_threshold = seakr_mod.fit_seakr_threshold(u, np.array([y for _, y in fit]))
+    progress.update()
     ccsk = ccsk_mod.fit_ccsk(base, encoder, [it[1].prompt_question() for it, _ in labelled],
                              np.array([y for _, y in labelled]), [it[1].golden_answers[0] for it, _ in labelled],
                              max_new_tokens=max_new)
+    progress.update()
+    progress.close()
     return SeedSelectors(cfg, base, encoder, train_items, train, ik, not judged.any(), seakr_threshold, ccsk)
 
 
