@@ -5,9 +5,9 @@ model-specific tau (§4.1): never per run, never on a test set.
 
 For each workdir W whose stages up to the baselines are finished (its config is the one they were
 built with, `W/config.json`; before the pipeline wrote that file, the one in `W/results.json`), so
-that the thresholds are chosen before the first eval
-(`python -m jaxrag.train ... --config.pipeline.stop_after=baselines`), decodes the training mixture's validation split (`eval_items`' validation part, never a test
-question) along both knowledge paths of the SR-RAG model and of Selective RAG, and prints, on a
+that the thresholds are chosen before the first eval (`python -m jaxrag.train ...
+--config.pipeline.stop_after=baselines`), decodes the training mixture's validation split
+(`eval_items`' validation part, never a test question) along both knowledge paths of the SR-RAG model and of Selective RAG, and prints, on a
 grid of thresholds, the validation accuracy and % retrieval (averages over datasets, as Table 1)
 of each thresholded rule: SR-RAG (p_M x p_D > tau), w/o kNN (p_M > tau) and Selective RAG
 (p(<Wiki>) > selective_tau). Several workdirs (world seeds of one config) are averaged, and the
