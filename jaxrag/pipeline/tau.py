@@ -7,10 +7,10 @@ For each workdir W whose stages up to the baselines are finished (its config is 
 built with, `W/config.json`; before the pipeline wrote that file, the one in `W/results.json`), so
 that the thresholds are chosen before the first eval (`python -m jaxrag.train ...
 --config.pipeline.stop_after=baselines`), decodes the training mixture's validation split
-(`eval_items`' validation part, never a test question) along both knowledge paths of the SR-RAG model and of Selective RAG, and prints, on a
-grid of thresholds, the validation accuracy and % retrieval (averages over datasets, as Table 1)
-of each thresholded rule: SR-RAG (p_M x p_D > tau), w/o kNN (p_M > tau) and Selective RAG
-(p(<Wiki>) > selective_tau). Several workdirs (world seeds of one config) are averaged, and the
+(`eval_items`' validation part, never a test question) along both knowledge paths of the SR-RAG
+model and of Selective RAG, and prints, on a grid of thresholds, the validation accuracy and %
+retrieval (averages over datasets, as Table 1) of each thresholded rule: SR-RAG (p_M x p_D >
+tau), w/o kNN (p_M > tau) and Selective RAG (p(<Wiki>) > selective_tau). Several workdirs (world seeds of one config) are averaged, and the
 best grid point of each rule (ties: the larger threshold, i.e. less retrieval) is the constant to
 write into the config (`inference.tau`, `inference.selective_tau`).
 """
