@@ -46,3 +46,14 @@ LONGEST_FIRST = ("test_real_path.py", "test_pipeline.py")
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_host_memory():
+    """Gives the module's freed heap back to the OS once it is done. The allocator above never
+    trims by itself, so without this a worker keeps the high-water mark of every module it ran
+    (~10 GB by the end of the suite), beside a subprocess pipeline of its own on the other worker."""
+    yield
+    from jaxrag import host_memory
+
+    host_memory.release()

@@ -85,6 +85,46 @@ def test_score_equals_transformers_token_logprobs(tiny_hf, variant):
         assert abs(got.total[i] - want.sum()) < 1e-4
 
 
+def _hf_filtered(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """transformers' TopK then TopP warpers (generate's order) -> logits with the rest at -inf."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.tensor(logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    return TopPLogitsWarper(top_p)(None, scores).numpy()
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat, a real model's spread, one token dominant
+def test_the_nucleus_is_transformers_top_p(scale):
+    """`nucleus` (bisection, no sort) keeps exactly the tokens transformers' TopP warper keeps,
+    over a 49k vocabulary, and leaves their logits as they were."""
+    from jaxrag.decode.sampler import nucleus
+
+    logits = np.asarray(jax.random.normal(jax.random.key(0), (6, 49152))) * scale
+    for top_p in (0.5, 0.9, 0.99):
+        want = _hf_filtered(logits, 0, top_p)
+        got = np.asarray(nucleus(jax.numpy.asarray(logits), top_p))
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+        np.testing.assert_array_equal(got[np.isfinite(got)], logits[np.isfinite(want)])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.7), (4, 1.0), (4, 0.8)])
+def test_sampled_tokens_follow_transformers_warped_distribution(top_k, top_p):
+    """20,000 draws of `sample_tokens` (one key each) over a 12-token vocabulary: never a token
+    the warpers drop, and each kept token as often as its renormalised probability."""
+    from jaxrag.decode.sampler import sample_tokens
+
+    logits = np.log(np.array([[0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01, 0.006, 0.004]], np.float32))
+    want = torch.softmax(torch.tensor(_hf_filtered(logits / 0.8, top_k, top_p)), -1).numpy()[0]
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    keys = jax.random.split(jax.random.key(3), 20_000)
+    draws = np.asarray(jax.vmap(lambda k: sample_tokens(jax.numpy.asarray(logits), k, params)[0])(keys))
+    freq = np.bincount(draws, minlength=12) / len(draws)
+    assert set(np.flatnonzero(freq)) == set(np.flatnonzero(want))
+    np.testing.assert_allclose(freq, want, atol=0.012)
+
+
 def test_sampling_controls(tiny_hf):
     _, _, model = tiny_hf("llama")
     greedy = generate(model.decoder, PROMPTS, 8)

@@ -124,22 +124,53 @@ def prefill_last(decoder: Decoder, sequences: Sequence[Sequence[int]], hidden_la
         yield len(chunk), state, hidden
 
 
+def top_p_cutoff(descending: jax.Array, top_p: float) -> jax.Array:
+    """Logits [batch, c] sorted descending -> the smallest logit of the top-p nucleus [batch, 1]:
+    the smallest prefix whose mass reaches `top_p` (the first token always stays)."""
+    probs = jax.nn.softmax(descending, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens above each one
+    keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: before[0] is 0
+    return jnp.take_along_axis(descending, keep - 1, axis=-1)
+
+
+# Bisection steps for the nucleus of a whole vocabulary: the cutoff is searched within 64 nats of
+# the top logit (a token further down has less than e^-64 of its mass), to 64 / 2^40 nats.
+NUCLEUS_RANGE, NUCLEUS_STEPS = 64.0, 40
+
+
+def nucleus(logits: jax.Array, top_p: float) -> jax.Array:
+    """logits [batch, vocab] with every token outside the top-p nucleus at -inf. The cutoff is
+    the largest logit t whose tokens at or above it hold top_p of the mass, found by bisection
+    (mass(t) falls as t rises): O(vocab) per step on every backend, where sorting the vocabulary
+    costs seconds per decode step on a CPU (XLA-CPU sorts with a comparator call per comparison)."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+
+    def step(_, bounds):
+        lo, hi = bounds  # mass(lo) >= top_p > mass(hi)
+        mid = (lo + hi) / 2
+        enough = jnp.sum(jnp.where(logits >= mid, probs, 0.0), axis=-1, keepdims=True) >= top_p
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, NUCLEUS_STEPS, step, (top - NUCLEUS_RANGE, top + 1.0))
+    return jnp.where(logits < lo, -jnp.inf, logits)
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """logits [batch, vocab] -> token ids [batch]."""
+    """logits [batch, vocab] -> token ids [batch]. Top-k keeps the k highest logits, then top-p
+    the smallest prefix of what is left whose mass reaches p (transformers' TopK then TopP
+    warpers); with a top-k the draw is over those k candidates only."""
     if sampling.temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature
     if sampling.top_k > 0:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
+        values, ids = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))
+        if sampling.top_p < 1.0:
+            values = jnp.where(values < top_p_cutoff(values, sampling.top_p), -jnp.inf, values)
+        choice = jax.random.categorical(key, values, axis=-1)
+        return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     if sampling.top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= sampling.top_p
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
+        logits = nucleus(logits, sampling.top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
