@@ -128,3 +128,16 @@ def test_fit_runs_each_program_in_a_process_of_its_own(tmp_path):
     assert ran["measured_peak_gb"] is None and ran["mfu"] is None
     assert ran["tflops_per_s"] == ran["flops"] / ran["seconds"] / 1e12
     assert bad["name"] == "nope" and "no program 'nope'" in bad["error"]
+
+
+def test_sampling_writes_the_contract_and_keeps_transformers_tokens(tmp_path):
+    from benchmarks import sampling
+
+    out = tmp_path / "sampling.json"
+    result = sampling.main(["--json", str(out), "--rows", "4", "--vocab", "3000", "--repeats", "1"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [r["case"] for r in result["results"]] == ["seakr", "genread", "temperature"]
+    for row in result["results"]:
+        assert row["same_kept_tokens"] and row["jaxrag_ms"] > 0 and row["hf_ms"] > 0
+    kept = [r["mean_kept_tokens"] for r in result["results"]]
+    assert kept[0] <= 50 and kept[1] < 3000 == kept[2]  # top-k 50; a nucleus; everything
