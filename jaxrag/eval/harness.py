@@ -55,8 +55,8 @@ def without_compiles(run: Callable[[], T]) -> T:
     kept: a batch shape seen for the first time would otherwise charge its compilation (seconds
     on a CPU, once per shape and model) to the items of that batch as latency. `run` must be
     repeatable: same inputs, same outputs (greedy decoding, fixed keys), no side effects. Each
-    call is one batch of a latency loop: the heap is bounded first, outside the timed run, as the
-    decode loops bound it (`_batches`)."""
+    call is one batch of a loop (paths, decisions, latency): the heap is bounded first
+    (`host_memory.bound`), outside the timed run."""
     host_memory.bound()
     before = _COMPILES[0]
     out = run()
