@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Parser, environment, median, positive_int, write_json
-from jaxrag.decode.sampler import SamplingParams, nucleus, sample_tokens
+from jaxrag.decode.sampler import SamplingParams, candidates, sample_tokens
 
 CASES = {"seakr": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
          "genread": SamplingParams(temperature=0.7, top_p=0.9),
@@ -42,16 +42,13 @@ def hf_warped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def kept_by_jaxrag(logits: jax.Array, params: SamplingParams) -> np.ndarray:
-    """[rows, vocab] bool: the tokens `sample_tokens` can draw."""
-    scaled = logits / params.temperature
-    if params.top_k:
-        kth = jax.lax.top_k(scaled, params.top_k)[0]
-        keep = scaled >= kth[:, -1:]
-        if params.top_p < 1.0:
-            keep &= jnp.isfinite(nucleus(jnp.where(keep, scaled, -jnp.inf), params.top_p))
-        return np.asarray(keep)
-    return np.asarray(jnp.isfinite(nucleus(scaled, params.top_p))) if params.top_p < 1.0 else np.ones(
-        logits.shape, bool)
+    """[rows, vocab] bool: the tokens `sample_tokens` can draw (its `candidates`)."""
+    values, ids = candidates(logits, params)
+    if ids is None:
+        return np.asarray(jnp.isfinite(values))
+    keep = np.zeros(logits.shape, bool)
+    np.put_along_axis(keep, np.asarray(ids), np.asarray(jnp.isfinite(values)), axis=-1)
+    return keep
 
 
 def timed(run, repeats: int) -> float:

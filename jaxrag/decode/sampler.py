@@ -156,22 +156,30 @@ def nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(logits < lo, -jnp.inf, logits)
 
 
-def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """logits [batch, vocab] -> token ids [batch]. Top-k keeps the k highest logits, then top-p
-    the smallest prefix of what is left whose mass reaches p (transformers' TopK then TopP
-    warpers); with a top-k the draw is over those k candidates only."""
-    if sampling.temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def candidates(logits: jax.Array, sampling: SamplingParams) -> tuple[jax.Array, jax.Array | None]:
+    """What a sampled draw chooses among: (candidate logits [batch, c], their token ids [batch, c],
+    or None when the candidates are the whole vocabulary), tokens outside at -inf. Top-k keeps
+    the k highest logits, then top-p the smallest prefix of what is left whose mass reaches p
+    (transformers' TopK then TopP warpers)."""
     logits = logits / sampling.temperature
     if sampling.top_k > 0:
         values, ids = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))
         if sampling.top_p < 1.0:
             values = jnp.where(values < top_p_cutoff(values, sampling.top_p), -jnp.inf, values)
-        choice = jax.random.categorical(key, values, axis=-1)
-        return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    if sampling.top_p < 1.0:
-        logits = nucleus(logits, sampling.top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        return values, ids
+    return (nucleus(logits, sampling.top_p) if sampling.top_p < 1.0 else logits), None
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """logits [batch, vocab] -> token ids [batch]: greedy at temperature 0, else a draw among
+    `candidates`."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    values, ids = candidates(logits, sampling)
+    choice = jax.random.categorical(key, values, axis=-1)
+    if ids is not None:
+        choice = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+    return choice.astype(jnp.int32)
 
 
 @partial(nnx.jit, static_argnames=("max_new", "sampling"), donate_argnums=1)
