@@ -65,6 +65,21 @@ def test_checkpoint_logits_match_original(converted):
     np.testing.assert_allclose(ordinary_columns(got, tok), ordinary_columns(want, tok), atol=1e-4)
 
 
+def test_models_loaded_from_one_config_hold_their_own_weights(converted):
+    """Loads share the config's abstract decoder (traced once); each fills its own copy, so
+    changing one model's weights leaves another's, and the original's logits, as they were."""
+    ref, root = converted
+    a, b = jaxrag.load_model(root / "ckpt"), jaxrag.load_model(root / "ckpt")
+    before = np.asarray(b.decoder.embed[...]).copy()
+    a.decoder.embed[...] = a.decoder.embed[...] * 0.0
+    np.testing.assert_array_equal(np.asarray(b.decoder.embed[...]), before)
+    ids = b.tokenizer(ORDINARY, return_tensors="np")["input_ids"]
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits.numpy()
+    got = np.asarray(jaxrag.load_model(root / "ckpt").logits(ids))[..., : want.shape[-1]]
+    np.testing.assert_allclose(ordinary_columns(got, b.tokenizer), ordinary_columns(want, b.tokenizer), atol=1e-4)
+
+
 @pytest.mark.parametrize("shard", ["5GB", "20KB"])
 def test_export_loads_in_transformers_with_same_logits_and_greedy_tokens(converted, shard):
     ref, root = converted

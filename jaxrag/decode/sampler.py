@@ -63,8 +63,21 @@ class DecodeState(NamedTuple):
 
 
 # Prompt columns per prefill pass: a long prompt is appended in chunks, so attention's
-# temporaries (without a fused kernel: [rows, heads, chunk, cache] scores) stay bounded.
+# temporaries (without a fused kernel: [rows, heads, chunk, cache] float32 scores, two live at
+# once) stay bounded: at most PREFILL_CHUNK columns, fewer (down to 128) where the scores of a
+# pass would exceed PREFILL_SCORES_BYTES (GenRead round 2 at 32 rows x 1,536 slots on a 9-head
+# model: 0.9 GB of scores at 512 columns, 0.23 GB at 128).
 PREFILL_CHUNK = 512
+PREFILL_SCORES_BYTES = 256 << 20
+
+
+def prefill_chunk(rows: int, heads: int, slots: int) -> int:
+    """Columns per prefill pass for `rows` rows of a model with `heads` query heads over a cache
+    of `slots` slots."""
+    chunk = PREFILL_CHUNK
+    while chunk > 128 and rows * heads * chunk * slots * 4 > PREFILL_SCORES_BYTES:
+        chunk //= 2
+    return chunk
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -279,8 +292,9 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     batch, length, steps = batch_rows(n, mesh), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
     state = init_state(decoder, batch, length + steps)
     ids, mask = left_pad(prompts, length, batch)
-    for start in range(0, length, PREFILL_CHUNK):  # whole chunks, the last one maybe shorter
-        cols = slice(start, start + PREFILL_CHUNK)
+    chunk = prefill_chunk(batch, decoder.cfg.num_heads, length + steps)
+    for start in range(0, length, chunk):  # whole chunks, the last one maybe shorter
+        cols = slice(start, start + chunk)
         state, _ = extend(decoder, state, on_mesh(ids[:, cols], mesh), on_mesh(mask[:, cols], mesh))
     budget = np.zeros(batch, np.int32)
     budget[:n] = max_new_tokens

@@ -22,8 +22,8 @@ from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxrag.errors import JaxragError
-from jaxrag.models.decoder import LORA_TARGETS, Decoder, resolve_dtype
-from jaxrag.models.params import build_decoder, host_params
+from jaxrag.models.decoder import LORA_TARGETS, resolve_dtype
+from jaxrag.models.params import abstract_decoder, build_decoder, host_params
 from jaxrag.models.tokens import srrag_token_ids
 
 ROWS = "token_rows"  # the trainable tree's key for the SR-RAG tokens' rows
@@ -46,7 +46,7 @@ def add_lora(model, rank: int, alpha: float, targets: Sequence[str], seed: int =
     if rank <= 0:
         raise JaxragError(f"config model.lora.rank={rank}: must be positive to add adapters")
     lora_cfg = dataclasses.replace(cfg, lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=check_targets(targets))
-    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Decoder(lora_cfg, nnx.Rngs(seed)))))
+    abstract = nnx.to_pure_dict(abstract_decoder(lora_cfg)[1])
     base, rng = flatten_dict(nnx.to_pure_dict(nnx.state(model.decoder))), np.random.default_rng(seed)
     merged = {}
     for path, leaf in flatten_dict(abstract).items():  # abstract: nothing allocated yet

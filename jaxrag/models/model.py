@@ -31,7 +31,7 @@ from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import (Decoder, DecoderConfig, positions_from_mask, resolve_dtype, stack_layers,
                                    unstack_layers)
 from jaxrag.models.lora import merge_lora
-from jaxrag.models.params import build_decoder, host_params
+from jaxrag.models.params import abstract_decoder, build_decoder, host_params
 from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, sources_in_tokenizer, srrag_tokens
 
 JAXRAG_META = "jaxrag.json"  # marks a jaxrag checkpoint: sources, token ids, dtypes
@@ -262,7 +262,7 @@ def save_model(model: Model, out) -> Path:
 
 
 def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+    _, abstract = abstract_decoder(cfg)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract))
     try:
         with concurrency.ORBAX, ocp.StandardCheckpointer() as ckptr:

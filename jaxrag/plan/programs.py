@@ -9,7 +9,7 @@ Shapes (the planner's stated assumptions where the data decides them):
 - DPO reference scoring: one micro-batch of stage 2 through the frozen model (no gradient).
 - construct: GenRead round-2 prompts of `demos_per_cluster` demonstrations + the question, each
   `verbalize_max_tokens` + 48 tokens (or `max_prompt_tokens` when set), bucketed like the sampler
-  and prefilled in chunks of `sampler.PREFILL_CHUNK` columns (one chunk's pass is the program);
+  and prefilled in chunks of `sampler.prefill_chunk` columns (one chunk's pass is the program);
   likelihood scoring of `score_batch_size` rows of question + one context + answer.
 - routed decoding: `inference.batch_size` rows (padded as the router does), a cache for prompt,
   verbalization, knowledge and answer; the prefill appends the knowledge chunk.
@@ -202,9 +202,9 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     gen_slots = bucket(prompt) + bucket(verbal)
     gen_calls = math.ceil(TRAIN_QUESTIONS * int(c.n_contexts) / gen_rows)
     gen_fix = (f"--config.construct.generate_batch_size={max(1, gen_rows // 2)}",)
-    chunk = min(bucket(prompt), sampler.PREFILL_CHUNK)  # generate() prefills in chunks
+    chunk = min(bucket(prompt), sampler.prefill_chunk(gen_rows, dec_cfg.num_heads, gen_slots))  # as generate()
     extend_program("construct generation: prefill", gen_rows, chunk, gen_slots,
-                   gen_calls * (bucket(prompt) // chunk), gen_fix)
+                   gen_calls * -(-bucket(prompt) // chunk), gen_fix)
     extend_program("construct generation: decode step", gen_rows, 1, gen_slots, gen_calls * verbal, gen_fix)
     score_rows = sampler.batch_rows(int(c.score_batch_size), mesh)
     score_len = bucket(128 + max(verbal, 192) + int(inf.max_answer_tokens) + 32)
