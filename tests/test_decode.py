@@ -38,6 +38,38 @@ def test_chunked_prefill_equals_transformers(tiny_hf, variant, monkeypatch):
     assert generate(model.decoder, PROMPTS, 12) == whole == _hf_greedy(ref, PROMPTS, 12)
 
 
+def test_prefill_chunks_bound_the_attention_temporaries(tiny_hf):
+    """`prefill_chunk` keeps one pass's [rows, heads, chunk, slots] float32 scores under its
+    budget (halving from 512 columns, never below 128), and XLA's temporaries for a prefill pass
+    shrink by the two score buffers the fewer columns leave out (memory_analysis of the compiled
+    pass, against the direct formula)."""
+    import jax.numpy as jnp
+
+    from jaxrag.decode import sampler
+
+    budget = sampler.PREFILL_SCORES_BYTES
+    for rows, heads, slots in [(32, 9, 1536), (64, 28, 1536), (1, 9, 1536), (16, 14, 640), (8, 2, 4096)]:
+        c = sampler.prefill_chunk(rows, heads, slots)
+        assert c in (128, 256, 512)
+        assert c == 128 or rows * heads * c * slots * 4 <= budget
+        assert c == 512 or rows * heads * 2 * c * slots * 4 > budget
+    assert (sampler.prefill_chunk(32, 9, 1536), sampler.prefill_chunk(1, 9, 1536)) == (128, 512)
+
+    _, _, model = tiny_hf("qwen2")
+    dec = for_inference(model).decoder
+    rows, slots, heads = 8, 1024, dec.cfg.num_heads
+    state = jax.eval_shape(lambda: sampler.init_state(dec, rows, slots))
+
+    def temp(chunk):
+        ids = jax.ShapeDtypeStruct((rows, chunk), jnp.int32)
+        mask = jax.ShapeDtypeStruct((rows, chunk), bool)
+        return sampler.extend.lower(dec, state, ids, mask).compile().memory_analysis().temp_size_in_bytes
+
+    saved = temp(512) - temp(128)
+    scores = 2 * rows * heads * (512 - 128) * slots * 4
+    assert 0.8 * scores <= saved <= 1.3 * scores, (saved, scores)
+
+
 @pytest.mark.parametrize("variant", ["qwen2", "phi3_window"])
 def test_inference_layout_decodes_and_scores_like_the_stacked_model(tiny_hf, variant, monkeypatch):
     """`for_inference` (per-layer weight buffers, the layer loop) gives transformers' greedy
