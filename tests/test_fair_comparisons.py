@@ -12,7 +12,7 @@ from scipy.special import softmax
 
 from jaxrag.data.schema import QAExample
 from jaxrag.decode.phases import charge_phases
-from jaxrag.decode.policy import PolicyDecision, source_probabilities
+from jaxrag.decode.policy import source_probabilities
 from jaxrag.errors import JaxragError
 from jaxrag.eval import latency, stats
 from jaxrag.eval.harness import Decision, Paths

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jaxrag.models import decoder as decoder_mod
+from jaxrag.models import masks
 from jaxrag.models.decoder import attention_implementation
 from jaxrag.plan.fit import PLAN_XLA_FLAGS, Row, failures
 
@@ -167,7 +168,7 @@ def test_gpu_path_gets_the_causal_padding_segment_mask(monkeypatch):
     segments = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]])
     ids = jnp.asarray(np.arange(12).reshape(2, 6) % 64)
     with jax.disable_jit():
-        model(ids, decoder_mod.positions_from_segments(jnp.asarray(segments)), jnp.asarray(segments > 0),
+        model(ids, masks.positions_from_segments(jnp.asarray(segments)), jnp.asarray(segments > 0),
               segment_ids=jnp.asarray(segments))
     want = np.zeros((2, 1, 6, 6), bool)
     for b in range(2):

@@ -2,7 +2,6 @@
 mixture, Table 5 sampling, Table 2 per dataset, the w/o DPO objective, measured latency of a mixed
 batch (injected clock) and bootstrap intervals."""
 
-import itertools
 import json
 import types
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +17,7 @@ from real_fixtures import REPO_ROOT, require
 
 sys.path.insert(0, str(REPO_ROOT / "examples"))
 import real_data as rd  # noqa: E402
+from real_corpus import dpr_line  # noqa: E402
 
 DUNE = ("Dune (novel)", "Dune is a 1965 epic science fiction novel by American author Frank "
         "Herbert, originally published as two separate serials in Analog magazine. It tied with "
@@ -119,8 +119,8 @@ def test_dataset_rules_by_hand():
 
 def test_dpr_quoting_reads_back(tmp_path):
     path = tmp_path / "psgs_w100.tsv"
-    path.write_text("id\ttext\ttitle\n" + rd.dpr_line(1, 'He said "hi" there', 'A "B" C')
-                    + rd.dpr_line(2, "plain", "T"), encoding="utf-8")
+    path.write_text("id\ttext\ttitle\n" + dpr_line(1, 'He said "hi" there', 'A "B" C')
+                    + dpr_line(2, "plain", "T"), encoding="utf-8")
     assert path.read_text().splitlines()[1] == '1\t"He said ""hi"" there"\t"A ""B"" C"'
     assert [(p.id, p.text, p.title) for p in read_corpus(path)] == [
         ("1", 'He said "hi" there', 'A "B" C'), ("2", "plain", "T")]

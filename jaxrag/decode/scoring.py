@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from jaxrag.decode.sampler import bucket, left_pad
-from jaxrag.models.decoder import Decoder, positions_from_mask
+from jaxrag.models.decoder import Decoder
+from jaxrag.models.masks import positions_from_mask
 from jaxrag.train.losses import target_logprobs
 
 

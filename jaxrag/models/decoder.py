@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxrag.models import families
 from jaxrag.models.kv_cache import KVCache, LayerCache, cached_attention
+from jaxrag.models.masks import attention_mask_4d
 from jaxrag.models.projection import project
 from jaxrag.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
@@ -249,44 +250,6 @@ class Block(nnx.Module):
         h, cache = self.attn(self.attn_norm(x), cos, sin, mask, cache, cache_index, dropout)
         x = x + h
         return x + self.mlp(self.mlp_norm(x), dropout), cache
-
-
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """[batch, seq] 0/1 -> position ids counting real tokens only (left or right padding)."""
-    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
-
-
-def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
-    """[batch, seq] int (0 = padding, k = k-th packed document) -> each token's position within
-    its own document, counting its real tokens only; one segment equals `positions_from_mask`."""
-    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
-    causal = jnp.tril(jnp.ones(same.shape[1:], bool))
-    return jnp.maximum(jnp.sum(same & causal, axis=-1) - 1, 0)
-
-
-def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int | None,
-                      segment_ids: jax.Array | None = None):
-    """key_mask [b, s] bool -> [b, 1, t, s]: causal by slot index, padding, optional window,
-    and with `segment_ids` [b, t] (no cache) only keys of the query's own packed document; each
-    query also sees its own slot, so no row is empty.
-
-    Query t sits at slot `cache_index + t` of the key axis (0 without a cache).
-    """
-    s = key_mask.shape[-1]
-    q_slot = cache_index + jnp.arange(query_len)[:, None]
-    k_slot = jnp.arange(s)[None, :]
-    allowed = k_slot <= q_slot
-    if sliding_window is not None:
-        allowed &= q_slot - k_slot < sliding_window
-    allowed = allowed[None] & key_mask[:, None, :].astype(bool)
-    if segment_ids is not None:
-        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
-    # Every query sees its own slot (real ones already do): a padding query would otherwise see no
-    # key. On such a row cuDNN's forward equals XLA's but its backward does not (H100: |dv| 1744
-    # vs 1.7), and a padding position whose next token is real does get a gradient: the decoder's
-    # LM-loss gradient came out 1e17 off. Seeing itself, the row is well defined on both paths.
-    allowed |= (k_slot == q_slot)[None]
-    return allowed[:, None]
 
 
 class DecoderOutput(NamedTuple):

@@ -28,9 +28,9 @@ from flax import nnx
 from jaxrag import concurrency
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
-from jaxrag.models.decoder import (Decoder, DecoderConfig, positions_from_mask, resolve_dtype, stack_layers,
-                                   unstack_layers)
+from jaxrag.models.decoder import Decoder, DecoderConfig, resolve_dtype, stack_layers, unstack_layers
 from jaxrag.models.lora import merge_lora
+from jaxrag.models.masks import positions_from_mask
 from jaxrag.models.params import abstract_decoder, build_decoder, host_params
 from jaxrag.models.tokens import DEFAULT_SOURCES, add_srrag_tokens, sources_in_tokenizer, srrag_tokens
 

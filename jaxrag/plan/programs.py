@@ -35,10 +35,11 @@ from jaxrag import sharding
 from jaxrag.decode import sampler
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
-from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, positions_from_mask, unstack_layers
-from jaxrag.models.families import FAMILIES
+from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, unstack_layers
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
+from jaxrag.models.families import FAMILIES
 from jaxrag.models.lora import Trainable, check_targets
+from jaxrag.models.masks import positions_from_mask
 from jaxrag.models.model import resolve_model_dir
 from jaxrag.models.tokens import srrag_tokens
 from jaxrag.train import losses, trainer

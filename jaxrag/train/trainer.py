@@ -35,8 +35,9 @@ from flax import nnx
 
 from jaxrag import concurrency, host_memory, sharding
 from jaxrag.errors import JaxragError
-from jaxrag.models.decoder import REMAT_POLICIES, Decoder, LoraDropout, positions_from_segments
+from jaxrag.models.decoder import REMAT_POLICIES, Decoder, LoraDropout
 from jaxrag.models.lora import ROWS, Trainable
+from jaxrag.models.masks import positions_from_segments
 from jaxrag.train.checkpoint import Checkpoints, abstract_like
 from jaxrag.train.losses import Forward, LossTerms, target_logprobs, token_logprobs
 from jaxrag.train.metrics import MetricsLogger
