@@ -44,6 +44,29 @@ def test_claims_per_seed_and_pooled_with_a_t_interval(tmp_path, capsys):
     assert "| SR-RAG - Selective RAG (accuracy) | +0.100 [+0.070, +0.130] |" in table
 
 
+def test_every_method_pooled_over_seeds_with_its_measured_latency(tmp_path, capsys):
+    lat, acc = [0.010, 0.014, 0.012], [0.70, 0.76, 0.73]
+    runs = []
+    for i, (s, t, a) in enumerate(zip((0, 1, 7), lat, acc)):
+        run = write_run(tmp_path / f"s{s}", s, {"selective_rag": 0.05}, 0.0, rag=0.4 + 0.1 * i)
+        r = json.loads((run / "results.json").read_text())
+        r["average"]["srrag"].update(acc=a, latency_s=t)
+        if s != 7:  # a method one run lacks is left out of the pool
+            r["average"]["ik"] = {"acc": 0.6, "rag_frac": 0.3, "latency_s": 0.02}
+        (run / "results.json").write_text(json.dumps(r))
+        runs.append(run)
+    assert main([*map(str, runs), "--json", str(tmp_path / "out.json")]) == 0
+    m = json.loads((tmp_path / "out.json").read_text())["methods"]
+    assert list(m) == ["srrag"]
+    np.testing.assert_allclose(m["srrag"]["latency_s"]["t95"],
+                               stats.t.interval(0.95, 2, loc=np.mean(lat), scale=stats.sem(lat)))
+    np.testing.assert_allclose(m["srrag"]["acc"]["mean"], 0.73)
+    np.testing.assert_allclose(m["srrag"]["rag_frac"]["per_seed"], [0.4, 0.5, 0.6])
+    table = capsys.readouterr().out
+    # 0.012 +- t(0.975, 2) * 0.002 / sqrt(3) = 0.012 +- 0.00497
+    assert "| srrag | 0.730 [0.655, 0.805] | 50% (40%-60%) | 0.0120 [0.0070, 0.0170] |" in table
+
+
 def test_one_seed_has_no_t_interval(tmp_path, capsys):
     run = write_run(tmp_path / "s0", 0, {"selective_rag": 0.04}, 0.01)
     assert main([str(run), "--json", str(tmp_path / "out.json")]) == 0

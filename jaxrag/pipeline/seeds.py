@@ -9,8 +9,9 @@ One pipeline's bootstrap intervals resample its test questions, not its training
 moves the numbers by more than those intervals. So a claim is judged over world seeds of one
 config (the workdirs must differ in `seed` only): per seed the paired difference and its 95%
 interval, how many seeds hold it beyond the noise, and the mean over seeds with a t-interval
-over seeds (which carries the training noise as well). Nothing here chooses anything: it reads
-finished `results.json` files.
+over seeds (which carries the training noise as well); then every method's accuracy, % retrieval
+and measured latency over seeds. Nothing here chooses anything: it reads finished `results.json`
+files.
 """
 
 from __future__ import annotations
@@ -99,7 +100,25 @@ def summarize(results: dict[str, dict]) -> dict:
     srrag = {str(seeds[w]): r["average"]["srrag"] for w, r in results.items()}
     return {"seeds": [seeds[w] for w in results], "claims": claims,
             "srrag_retrieval_at_most_80": sum(a["rag_frac"] <= 0.8 for a in srrag.values()),
-            "srrag": {s: {"acc": a["acc"], "rag_frac": a["rag_frac"]} for s, a in srrag.items()}}
+            "srrag": {s: {"acc": a["acc"], "rag_frac": a["rag_frac"]} for s, a in srrag.items()},
+            "methods": methods(results)}
+
+
+def methods(results: dict[str, dict]) -> dict:
+    """Per method every run has: accuracy, % retrieval and measured latency (each run times every
+    method in the same routed batches), each as the mean over seeds with a t-interval and the
+    per-seed values; latency only where every run measured it."""
+    runs = list(results.values())
+    names = [m for m in runs[0]["average"] if all(m in r["average"] for r in runs)]
+    out = {}
+    for m in names:
+        rows = [r["average"][m] for r in runs]
+        out[m] = {}
+        for field in ("acc", "rag_frac", "latency_s"):
+            if all(field in a for a in rows):
+                values = [float(a[field]) for a in rows]
+                out[m][field] = {"per_seed": values, "mean": float(np.mean(values)), "t95": t_interval(values)}
+    return out
 
 
 def _signed(x: float) -> str:
@@ -119,7 +138,26 @@ def table(summary: dict) -> str:
         t95 = f"[{_signed(c['t95'][0])}, {_signed(c['t95'][1])}]" if c["t95"] else "(no interval from one seed)"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {c['above_noise']} / {c['below_noise']} of "
                      f"{c['seeds']} | {_signed(c['mean'])} {t95} |")
+    if summary.get("methods"):
+        lines += ["", "| method | accuracy, mean [95% t] | % retrieval, mean (seeds' range) | latency s, mean [95% t] |",
+                  "|---|---|---|---|"]
+        for m, f in summary["methods"].items():
+            lines.append(f"| {m} | {_mean_t(f.get('acc'), '.3f')} | {_mean_range(f.get('rag_frac'))} | "
+                         f"{_mean_t(f.get('latency_s'), '.4f')} |")
     return "\n".join(lines)
+
+
+def _mean_t(field: dict | None, fmt: str) -> str:
+    if field is None:
+        return "–"
+    t = f" [{field['t95'][0]:{fmt}}, {field['t95'][1]:{fmt}}]" if field["t95"] else ""
+    return f"{field['mean']:{fmt}}{t}"
+
+
+def _mean_range(field: dict | None) -> str:
+    if field is None:
+        return "–"
+    return f"{field['mean']:.0%} ({min(field['per_seed']):.0%}-{max(field['per_seed']):.0%})"
 
 
 def main(argv: list[str] | None = None) -> int:
