@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from jaxrag.pipeline.seeds import main
@@ -89,25 +90,30 @@ def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
     assert "a different world seed" in capsys.readouterr().err
 
 
-KEPT = Path(__file__).parent.parent / "results" / "embedded" / "world-v7"
+KEPT = Path(__file__).parent.parent / "results" / "embedded"
 
 
-def test_kept_runs_are_the_current_tiny_recipe(capsys):
-    """The pooled table of the embedded default (docs/embedded-world.md) is recomputable from
-    results/embedded/world-v7/, and those runs are of the tiny config as it stands but for the
-    two thresholds re-chosen since (results/embedded/world-v7-fair is the current recipe's
-    folder): any other recipe change must rerun them into a new folder."""
-    from jaxrag.pipeline.config import get_config_for
-    from jaxrag.pipeline.seeds import recipe
-
-    runs = sorted(KEPT.glob("seed*"))
-    assert len(runs) >= 2 and main([*map(str, runs)]) == 0
-    assert "SR-RAG - w/o kNN (AUROC)" in capsys.readouterr().out
-    want = recipe(get_config_for("qwen2", "tiny").to_dict())
+@pytest.mark.parametrize("folder, since", [
+    # The current recipe's confirmatory seeds: the tiny config exactly as it stands.
+    ("world-v7-fair", {}),
     # The thresholds were re-chosen on the development seeds once Selective RAG's second stage
     # and p_M over the whole vocabulary changed what they threshold; world-v7's runs hold the
     # previous choice and are the previous recipe's pool (results/embedded/HISTORY.md).
-    want.update({"inference.tau": 0.15, "inference.selective_tau": 0.2})
+    ("world-v7", {"inference.tau": 0.15, "inference.selective_tau": 0.2}),
+])
+def test_kept_runs_are_the_current_tiny_recipe(folder, since, capsys):
+    """The pooled tables of the embedded default (README, docs/embedded-world.md) are
+    recomputable from results/embedded/FOLDER/, and those runs are of the tiny config as it
+    stands but for the fields `since` names: any other recipe change must rerun them into a new
+    folder."""
+    from jaxrag.pipeline.config import get_config_for
+    from jaxrag.pipeline.seeds import recipe
+
+    runs = sorted((KEPT / folder).glob("seed*"))
+    assert runs and main([*map(str, runs)]) == 0
+    assert "SR-RAG - w/o kNN (AUROC)" in capsys.readouterr().out
+    want = recipe(get_config_for("qwen2", "tiny").to_dict())
+    want.update(since)
     for run in runs:
         got = recipe(json.loads((run / "results.json").read_text())["config"])
         assert {k: got.get(k) for k in want} == want, run
