@@ -112,11 +112,13 @@ def test_intervals_comparisons_latency_and_paper(results):
     assert lat == ["SR-RAG", "0.0457", "0.00100", "0.0200", "0.0100", "0.0300", "64%", "100%", "100%", "400"]
     assert _cells(_section(md, "Data"), "nq") == ["nq", "120", "36", "–"]
     assert "Beside the paper" not in md  # the embedded world has no paper numbers
-    assert "By question kind" not in md  # no by_kind: nothing to show
+    assert "By question kind" not in md and "embedded world can show" not in md  # no by_kind: not the world
     results["by_kind"] = {"srrag": {"triviaqa/chain": {"acc": 0.8, "rag_frac": 0.1, "n": 60,
                                                        "acc_retrieval": 0.35, "acc_other": 0.85}}}
-    kinds = _cells(_section(render_report(results), "By question kind"), "SR-RAG")
+    md = render_report(results)
+    kinds = _cells(_section(md, "By question kind"), "SR-RAG")
     assert kinds == ["SR-RAG", "triviaqa/chain", "60", "0.800 (10%)", "0.350", "0.850"]
+    assert "checks the implementation, not the method" in _section(md, "What the embedded world can show")
     results["config"]["model"] = {"family": "qwen2", "path": "/data/qwen"}
     paper = _section(render_report(results), "Beside the paper")
     assert _cells(paper, "SR-RAG") == ["SR-RAG", "0.686", "67%", "0.644", "64%"]
