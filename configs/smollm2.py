@@ -142,9 +142,7 @@ def smoke():
         stage1=dict(batch_size=4, epochs=1, per_device_batch_size=2, checkpoint_every=50, lr=3e-5,
                     token_lr_scale=300.0),
         stage2=dict(batch_size=4, epochs=1, per_device_batch_size=2, checkpoint_every=50),
-        # Retrieved knowledge cut to 16 tokens: every routed batch's knowledge prefill is 32 columns
-        # (48 tokens made it 64), and eval routes ~100 batches through 30 layers.
-        inference=dict(k=3, batch_size=8, max_answer_tokens=8, max_knowledge_tokens=16),
+        inference=dict(k=3, batch_size=8, max_answer_tokens=8, max_knowledge_tokens=48),
         baselines=dict(seakr_samples=2, max_train_questions=24, ik_answer_tokens=4),
         eval=dict(bootstrap_samples=100, latency_questions=4, latency_sweep_points=3),
     ))
