@@ -1,57 +1,66 @@
-"""Two runs of the miniature pipeline compared: `python compare.py A B` reads /tmp/i53/run-A and
-/tmp/i53/run-B (written by the loop in README.md) and prints every results.json leaf that differs
-(timings aside), then those beyond float32 rounding, and which stage files are identical."""
-import hashlib, json, sys
+"""Two runs of the miniature pipeline compared: `python results/decode/compare.py A B` reads the
+workdirs /tmp/i53/run-A and /tmp/i53/run-B (written by the command in README.md) and prints every
+results.json leaf that differs (timings aside), which stage files are identical, then the leaves
+that differ beyond float32 rounding and the datastore keys' largest difference."""
+import hashlib
+import json
+import math
+import sys
 from pathlib import Path
-sys.path.insert(0, "/work/main/tests")
-from pipeline_fixtures import without_timings
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from pipeline_fixtures import without_timings  # noqa: E402
+
+
+def leaves(x, y, path=""):
+    """(path, x, y) for every leaf both trees hold; ("only in one", path) for keys one lacks."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        for k in sorted(set(x) | set(y)):
+            if k in x and k in y:
+                yield from leaves(x[k], y[k], f"{path}/{k}")
+            else:
+                yield "only in one", f"{path}/{k}", None
+    elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        for i, (u, v) in enumerate(zip(x, y)):
+            yield from leaves(u, v, f"{path}[{i}]")
+    else:
+        yield path, x, y
+
+
+def rounding(x, y) -> bool:
+    """Equal, both NaN, or floats within float32 rounding."""
+    if isinstance(x, float) and isinstance(y, (int, float)):
+        return (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-9)
+    return x == y
+
+
+def digests(root: Path, sub: str) -> dict[str, str]:
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted((root / sub).rglob("*")) if f.is_file()}
+
 
 a, b = (Path(f"/tmp/i53/run-{c}") for c in sys.argv[1:3])
 ra, rb = (without_timings(json.loads((w / "results.json").read_text())) for w in (a, b))
-
-def diff(x, y, path=""):
-    if isinstance(x, dict) and isinstance(y, dict):
-        for k in sorted(set(x) | set(y)):
-            if k not in x or k not in y:
-                print("only in one:", path + "/" + k); continue
-            diff(x[k], y[k], path + "/" + k)
-    elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
-        for i, (u, v) in enumerate(zip(x, y)):
-            diff(u, v, f"{path}[{i}]")
+pairs = list(leaves(ra, rb))
+for path, x, y in pairs:
+    if path == "only in one":
+        print("only in one:", x)
     elif x != y:
         print("differs:", path, str(x)[:80], "|", str(y)[:80])
-
-diff(ra, rb)
 print("results.json equal (timings aside):", ra == rb)
 for sub in ("construct", "datastore", "world", "base", "stage1", "stage2", "baselines"):
-    fa = {str(f.relative_to(a)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted((a / sub).rglob("*")) if f.is_file()}
-    fb = {str(f.relative_to(b)): hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted((b / sub).rglob("*")) if f.is_file()}
-    same = [k for k in fa if fb.get(k) == fa[k]]
-    print(f"{sub}: {len(same)} of {len(fa)} files identical; differing: {[k for k in fa if fb.get(k) != fa[k]][:8]}")
+    fa, fb = digests(a, sub), digests(b, sub)
+    differ = [k for k in fa if fb.get(k) != fa[k]]
+    print(f"{sub}: {len(fa) - len(differ)} of {len(fa)} files identical; differing: {differ[:8]}")
 
 print("\n--- beyond float32 rounding (rel 1e-5), NaN == NaN ---")
-import math
-n = [0, 0]
-def close(x, y, path=""):
-    if isinstance(x, dict) and isinstance(y, dict):
-        for k in sorted(set(x) & set(y)):
-            close(x[k], y[k], path + "/" + k)
-    elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
-        for i, (u, v) in enumerate(zip(x, y)):
-            close(u, v, f"{path}[{i}]")
-    elif isinstance(x, float) and isinstance(y, (int, float)):
-        n[0] += 1
-        if not (math.isnan(x) and math.isnan(y)) and not math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-9):
-            n[1] += 1; print("differs:", path, x, y)
-    else:
-        n[0] += 1
-        if x != y:
-            n[1] += 1; print("differs:", path, str(x)[:80], "|", str(y)[:80])
-close(ra, rb)
-print(f"{n[1]} of {n[0]} leaves differ beyond rounding")
-import numpy as np
-for sub in ("datastore",):
-    for f in sorted((a / sub).glob("*")):
-        if f.suffix == ".bin":
-            x, y = np.fromfile(f, np.float32), np.fromfile(b / sub / f.name, np.float32)
-            print(f, "max |diff|", np.abs(x - y).max(), "max |x|", np.abs(x).max())
+compared = [(p, x, y) for p, x, y in pairs if p != "only in one"]
+beyond = [(p, x, y) for p, x, y in compared if not rounding(x, y)]
+for path, x, y in beyond:
+    print("differs:", path, str(x)[:80], "|", str(y)[:80])
+print(f"{len(beyond)} of {len(compared)} leaves differ beyond rounding")
+for f in sorted((a / "datastore").glob("*.bin")):
+    x, y = np.fromfile(f, np.float32), np.fromfile(b / "datastore" / f.name, np.float32)
+    print(f, "max |diff|", np.abs(x - y).max(), "max |x|", np.abs(x).max())
