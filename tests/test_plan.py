@@ -182,6 +182,39 @@ def test_gpu_path_gets_the_causal_padding_segment_mask(monkeypatch):
         np.testing.assert_array_equal(mask, want)
 
 
+def test_a_workdir_keeps_its_fit_verdict_until_what_it_depends_on_changes(tmp_path, monkeypatch):
+    """`W/fit.json`: a rerun of the same config skips the check; a changed setting (not
+    `pipeline.*`), or no record, checks again; a failed check writes nothing."""
+    from types import SimpleNamespace
+
+    from jaxrag.errors import JaxragError
+    from jaxrag.pipeline import run as run_mod
+    from jaxrag.pipeline.config import paper_config
+
+    checked = []
+    monkeypatch.setattr(run_mod, "check_fit", lambda cfg: checked.append(cfg.stage1.lr))
+    cfg = paper_config("qwen2")
+    cfg.model.path = "/some/model"
+    workdir, names, steps = tmp_path / "run", ["construct"], [SimpleNamespace(action="run")]
+    run_mod.check_fit_before(cfg, workdir, names, steps)
+    run_mod.check_fit_before(cfg, workdir, names, steps)
+    cfg.pipeline.stop_after = "construct"
+    run_mod.check_fit_before(cfg, workdir, names, steps)
+    assert checked == [cfg.stage1.lr] and (workdir / "fit.json").is_file()
+    cfg.stage1.lr = 1e-3
+    run_mod.check_fit_before(cfg, workdir, names, steps)
+    assert checked == [1e-5, 1e-3]
+    run_mod.check_fit_before(cfg, workdir, names, [SimpleNamespace(action="skip")])  # nothing left to run
+    (workdir / "fit.json").unlink()
+
+    def refuse(cfg):
+        raise JaxragError("stage1 step: too big")
+    monkeypatch.setattr(run_mod, "check_fit", refuse)
+    with pytest.raises(JaxragError, match="too big"):
+        run_mod.check_fit_before(cfg, workdir, names, steps)
+    assert not (workdir / "fit.json").exists()
+
+
 def test_the_fit_check_runs_on_cpu_against_host_memory(tiny_hf, monkeypatch):
     """The pipeline's preflight on a CPU backend: the run's programs, compiled at the dtypes the
     CPU runs, against host memory; too little refuses with the settings to change."""

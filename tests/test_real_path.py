@@ -104,11 +104,13 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def test_kill_9_during_construct_then_rerun_gives_identical_records(run, data, tmp_path):
-    """A second workdir shares the finished base and index (same inputs: skipped), is killed once
-    construct has written its first shard, and reruns to the uninterrupted run's bytes."""
+    """A second workdir shares the finished base and index (same inputs: skipped) and the fit
+    verdict, is killed once construct has written its first shard, and reruns to the
+    uninterrupted run's bytes."""
     workdir, _ = run
     other = tmp_path / "run"
     other.mkdir()
+    shutil.copy(workdir / "fit.json", other)
     for stage in ("base", "index"):
         shutil.copytree(workdir / stage, other / stage)
     (other / "inputs").mkdir()

@@ -29,7 +29,7 @@ from jaxrag.pipeline import (base, baselines, construct, datastore, eval, export
                              world)
 from jaxrag.pipeline.config_check import check_config
 from jaxrag.pipeline.workdir import is_embedded
-from jaxrag.plan.fit import check_fit
+from jaxrag.plan.fit import FIT_FILE, check_fit, fit_key
 
 
 def _stages():
@@ -73,10 +73,21 @@ def preflight(cfg: ConfigDict) -> None:
 DECODER_STAGES = ("construct", "stage1", "stage2", "datastore", "baselines", "eval")
 
 
-def check_fit_before(cfg: ConfigDict, names, steps) -> None:
+def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
+    """Every program fits, or stop now with the setting to change (`jaxrag.plan`). The verdict is
+    kept in `W/fit.json` under a key of everything it depends on (`fit_key`), so a rerun of the
+    same workdir (after an interruption, or a later stage) does not compile the programs again."""
     if is_embedded(cfg) or all(s.action in ("skip", "adopt") for n, s in zip(names, steps) if n in DECODER_STAGES):
         return
-    check_fit(cfg)  # every program fits, or stop now with the setting to change (jaxrag.plan)
+    record = workdir / FIT_FILE
+    key = fit_key(cfg)
+    if record.is_file() and json.loads(record.read_text()).get("key") == key:
+        return
+    check_fit(cfg)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_name(f".{FIT_FILE}.tmp")
+    tmp.write_text(json.dumps({"key": key, "verdict": "every program fits (jaxrag.plan)"}) + "\n")
+    os.replace(tmp, record)
 
 
 def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
@@ -96,7 +107,7 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
         stages, names = stages[: names.index(stop_after) + 1], names[: names.index(stop_after) + 1]
     done = {name: workdir.is_dir() and is_done(workdir) for name, _, is_done in stages}
     steps = provenance.plan(cfg, workdir, names, done, is_embedded(cfg), cfg.pipeline.get("rerun_from", ""))
-    check_fit_before(cfg, names, steps)
+    check_fit_before(cfg, workdir, names, steps)
     workers = _workers(cfg)
     workdir.mkdir(parents=True, exist_ok=True)
     leader = _is_leader()

@@ -4,8 +4,11 @@ fit check the pipeline runs before its decoder stages (`check_fit`). The CLI is 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
+from pathlib import Path
 
 from ml_collections import ConfigDict
 
@@ -103,6 +106,24 @@ def accelerator_of(device) -> str:
 def host_memory_gb() -> float:
     """Physical memory of this host (what a CPU backend allocates from)."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+FIT_FILE = "fit.json"  # a workdir's fit verdict and its key (`jaxrag.pipeline.run.check_fit_before`)
+
+
+def fit_key(cfg) -> str:
+    """What `check_fit`'s verdict depends on, hashed: the config (less `pipeline`, which decides
+    only what runs), this machine's devices and memory, jax's version and jaxrag's own source."""
+    import jax  # not on import: see `measure`
+
+    package = Path(__file__).resolve().parent.parent
+    source = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        source.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    fields = {k: v for k, v in cfg.to_dict().items() if k != "pipeline"}
+    devices = [d.device_kind for d in jax.devices()]
+    what = [fields, devices, jax.default_backend(), round(host_memory_gb(), 1), jax.__version__, source.hexdigest()]
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def check_fit(cfg) -> None:
