@@ -205,6 +205,10 @@ def test_a_workdir_keeps_its_fit_verdict_until_what_it_depends_on_changes(tmp_pa
     run_mod.check_fit_before(cfg, workdir, names, steps)
     assert checked == [1e-5, 1e-3]
     run_mod.check_fit_before(cfg, workdir, names, [SimpleNamespace(action="skip")])  # nothing left to run
+    assert checked == [1e-5, 1e-3]
+    (workdir / "fit.json").write_text("[not a record")
+    run_mod.check_fit_before(cfg, workdir, names, steps)
+    assert checked == [1e-5, 1e-3, 1e-3]
     (workdir / "fit.json").unlink()
 
     def refuse(cfg):

@@ -81,8 +81,11 @@ def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
         return
     record = workdir / FIT_FILE
     key = fit_key(cfg)
-    if record.is_file() and json.loads(record.read_text()).get("key") == key:
-        return
+    try:
+        if json.loads(record.read_text()).get("key") == key:
+            return
+    except (OSError, ValueError, AttributeError):  # none yet, or not a record: check
+        pass
     check_fit(cfg)
     workdir.mkdir(parents=True, exist_ok=True)
     tmp = record.with_name(f".{FIT_FILE}.tmp")
