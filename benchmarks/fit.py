@@ -9,8 +9,11 @@ and dtypes (nothing downloaded): one warm-up call, then `--steps` timed calls, f
 for each (a train step donates its state). Each program runs in a process of its own, so the
 allocator's peak (`memory_stats()["peak_bytes_in_use"]`, the most any device held: arguments,
 temporaries and outputs) is that program's alone. Per program: XLA's estimate on this backend,
-the measured peak, the allocator's limit, seconds per call (median), tokens/s, and the MFU by
-the model's FLOP count (the plan's) against the device's dense bf16 peak (`jaxrag.plan.fit.ACCELERATORS`).
+the measured peak, the allocator's limit, seconds per call (median), tokens/s, the MFU by
+the model's FLOP count (the plan's) against the device's dense bf16 peak (`jaxrag.plan.fit.ACCELERATORS`),
+and the bytes one device reads per call (the plan's: the weights, and a decode step's KV cache)
+over those seconds, as TB/s and as a fraction of the device's HBM bandwidth (a decode step is
+bound by it: `hbm_fraction` is how close it comes).
 A program that runs out of device memory is recorded as such. CPUs have no allocator statistics
 (measured peak null); there it checks that the programs run.
 """
@@ -78,7 +81,7 @@ def run_program(cfg, name: str, steps: int) -> dict:
     m = compiled.memory_analysis()
     row = dict(name=name, xla_peak_gb=(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
                                        - m.alias_size_in_bytes) / 1e9,
-               compile_s=compile_s, flops=p.flops, tokens=p.tokens)
+               compile_s=compile_s, flops=p.flops, tokens=p.tokens, read_bytes=p.read_bytes)
     seconds = []
     try:
         for i in range(steps + 1):
@@ -100,9 +103,12 @@ def run_program(cfg, name: str, steps: int) -> dict:
     row.update(measured_peak_gb=peak / 1e9 if peak else None, bytes_limit_gb=limit / 1e9 if limit else None)
     if len(seconds) > 1:
         timed = sorted(seconds[1:])[len(seconds[1:]) // 2]
-        peak_flops = ACCELERATORS[accelerator_of(devices[0])][0] * len(devices)
+        peak_flops, bandwidth, _ = ACCELERATORS[accelerator_of(devices[0])]
+        on_device = jax.default_backend() != "cpu"
         row.update(seconds=timed, tokens_per_s=p.tokens / timed, tflops_per_s=p.flops / timed / 1e12,
-                   mfu=p.flops / timed / peak_flops if jax.default_backend() != "cpu" else None)
+                   mfu=p.flops / timed / (peak_flops * len(devices)) if on_device else None,
+                   read_tb_s=p.read_bytes / timed / 1e12,
+                   hbm_fraction=p.read_bytes / timed / bandwidth if on_device else None)
     return row
 
 

@@ -127,6 +127,12 @@ def test_fit_runs_each_program_in_a_process_of_its_own(tmp_path):
     assert ran["xla_peak_gb"] > 0 and ran["seconds"] > 0 and ran["compile_s"] > 0
     assert ran["measured_peak_gb"] is None and ran["mfu"] is None
     assert ran["tflops_per_s"] == ran["flops"] / ran["seconds"] / 1e12
+    # what one call reads: every float32 weight once (transformers counts them), the vocabulary
+    # grown by the four SR-RAG tokens and padded to a multiple of 128 (512 + 4 -> 640)
+    grown = transformers.LlamaConfig.from_pretrained(tmp_path / "llama", vocab_size=640)
+    n_params = transformers.LlamaForCausalLM(grown).num_parameters()
+    assert ran["read_bytes"] == 4 * n_params
+    assert ran["read_tb_s"] == ran["read_bytes"] / ran["seconds"] / 1e12 and ran["hbm_fraction"] is None
     assert bad["name"] == "nope" and "no program 'nope'" in bad["error"]
 
 
