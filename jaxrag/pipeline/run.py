@@ -29,7 +29,7 @@ from jaxrag.pipeline import (base, baselines, construct, datastore, eval, export
                              world)
 from jaxrag.pipeline.config_check import check_config
 from jaxrag.pipeline.workdir import is_embedded
-from jaxrag.plan.fit import FIT_FILE, check_fit, fit_key
+from jaxrag.plan.fit import check_fit, fit_key
 
 
 def _stages():
@@ -71,6 +71,7 @@ def preflight(cfg: ConfigDict) -> None:
 # Stages that run the decoder's programs (`jaxrag.plan.programs`): before the first of them runs,
 # every program must fit in device (accelerators) or host (CPU) memory.
 DECODER_STAGES = ("construct", "stage1", "stage2", "datastore", "baselines", "eval")
+FIT_FILE = "fit.json"  # W/fit.json: the fit verdict and its key (`check_fit_before`)
 
 
 def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:

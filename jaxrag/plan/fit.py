@@ -108,9 +108,6 @@ def host_memory_gb() -> float:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
-FIT_FILE = "fit.json"  # a workdir's fit verdict and its key (`jaxrag.pipeline.run.check_fit_before`)
-
-
 def fit_key(cfg) -> str:
     """What `check_fit`'s verdict depends on, hashed: the config (less `pipeline`, which decides
     only what runs), this machine's devices and memory, jax's version and jaxrag's own source."""
