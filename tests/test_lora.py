@@ -20,7 +20,7 @@ import jaxrag
 from jaxrag import sharding
 from jaxrag.export import main as export_cli
 from jaxrag.train import stages, trainer
-from train_fixtures import tiny_model, toy_records, train_config
+from train_fixtures import stopped_after, tiny_model, toy_records, train_config
 
 ALL = list(LORA_TARGETS)
 IDS = np.random.default_rng(0).integers(0, 300, (2, 12))
@@ -117,7 +117,11 @@ def lora_config(dropout=0.0, **stage1):
 
 def test_stages_train_only_adapters_and_token_rows(tmp_path, base):
     records, cfg = toy_records(10), lora_config()
-    s1 = stages.train_stage1(base, records, cfg, tmp_path / "s1")
+    with stopped_after(2):
+        stages.train_stage1(base, records, cfg, tmp_path / "s1")
+    saved = ocp.StandardCheckpointer().metadata((tmp_path / "s1" / "checkpoints" / "2" / "state").absolute())
+    s1 = stages.train_stage1(base, records, cfg, tmp_path / "s1")  # resumes, finishes step 3
+    assert not (tmp_path / "s1" / "checkpoints").exists()  # removed with the final model saved
     assert s1.config.lora_targets == ("q", "v", "up")
     before, after = flatten_dict(pure(base)), flatten_dict(pure(s1))
     rows = [s1.token_id(t) for t in srrag_tokens(s1.sources)]
@@ -139,7 +143,6 @@ def test_stages_train_only_adapters_and_token_rows(tmp_path, base):
     abstract, _ = trainer.state_shardings(s1.decoder, spec, sharding.make_mesh(cfg.mesh), L.Trainable.for_model(s1))
     assert sum(x.size for x in jax.tree.leaves(abstract["params"])) == n_train
     assert sum(x.size for x in jax.tree.leaves(abstract["opt"])) == 2 * n_train + 2  # + two step counts
-    saved = ocp.StandardCheckpointer().metadata((tmp_path / "s1" / "checkpoints" / "3" / "state").absolute())
     assert sum(np.prod(m.shape) for m in jax.tree.leaves(saved.item_metadata.tree)) == 3 * n_train + 3
 
     reloaded = stages.train_stage1(base, records, cfg, tmp_path / "s1")  # finished: loads, adapters included
@@ -172,12 +175,9 @@ def test_resume_equals_uninterrupted(tmp_path, base):
     no_dropout = stages.train_stage1(base, records, lora_config(checkpoint_every=1), tmp_path / "no_dropout")
     assert not np.allclose(pure(straight)["layers"]["attn"]["wq_lora_b"], pure(no_dropout)["layers"]["attn"]["wq_lora_b"])
     partial = tmp_path / "partial"
-    stages.train_stage1(base, records, cfg, partial)
-    import shutil
-    shutil.rmtree(partial / stages.FINAL)
-    shutil.rmtree(partial / "checkpoints" / "3")
-    lines = (partial / "metrics.jsonl").read_text().splitlines()
-    (partial / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    with stopped_after(2):
+        stages.train_stage1(base, records, cfg, partial)
+    assert [json.loads(line)["step"] for line in (partial / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     resumed = stages.train_stage1(base, records, cfg, partial)
     jax.tree.map(np.testing.assert_array_equal, pure(resumed), pure(straight))
 

@@ -133,8 +133,13 @@ def test_stage1_then_stage2(tmp_path, model, capsys):
     assert f"knowledge truncated in {log[-1]['truncated_total']} of 10 training sequences" in out.out + out.err
     before, after = params_of(model), params_of(s1)
     assert not np.allclose(before["embed"], after["embed"])
+    # A finished training keeps its final model and removes its checkpoints (params + optimizer
+    # state); a run killed between the two leaves them, and its rerun just loads and removes them.
+    assert (tmp_path / "s1" / stages.FINAL).is_dir() and not (tmp_path / "s1" / "checkpoints").exists()
+    (tmp_path / "s1" / "checkpoints" / "3").mkdir(parents=True)
     again = stages.train_stage1(model, records, cfg, tmp_path / "s1")  # finished workdir: just loads
     np.testing.assert_array_equal(params_of(again)["embed"], after["embed"])
+    assert not (tmp_path / "s1" / "checkpoints").exists()
 
     s2 = stages.train_stage2(s1, s1, records, cfg, tmp_path / "s2")
     ref = np.load(tmp_path / "s2" / "ref_logprobs.npy")
@@ -185,6 +190,7 @@ def test_kill_9_then_rerun_resumes_to_the_same_parameters(tmp_path):
     rerun = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 17))
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
     cfg = train_config(pretrain=dict(steps=16, checkpoint_every=3))
     straight = stages.train_lm(tiny_model(), TEXTS, cfg, tmp_path / "straight")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import jax
 import numpy as np
 import transformers
@@ -84,3 +87,28 @@ def train_config(**sections) -> ConfigDict:
     for name, values in sections.items():
         cfg[name].update(values)
     return cfg
+
+
+class Stopped(Exception):
+    """Raised by `stopped_after`."""
+
+
+@contextlib.contextmanager
+def stopped_after(step: int):
+    """The training run inside stops right after step `step`'s checkpoint is taken, with no
+    final model, as a run killed there would: a rerun resumes from that checkpoint. (A finished
+    training removes its checkpoints, so a finished run cannot stand in for a killed one.)"""
+    from jaxrag.train import trainer
+
+    dispatched = trainer._Loop.dispatched
+
+    def stop_after(self, at, *args):
+        dispatched(self, at, *args)
+        if at == step:
+            raise Stopped(f"stopped after step {step}")
+    with mock.patch.object(trainer._Loop, "dispatched", stop_after):
+        try:
+            yield
+        except Stopped:
+            return
+    raise AssertionError(f"the training finished before step {step}")

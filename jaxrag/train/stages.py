@@ -6,8 +6,8 @@ trained model, which it also saves to `workdir/model` (a finished workdir just l
     train_stage2(model, ref_model, records, cfg, workdir) SR-RAG stage 2 (cfg.stage2, Eq. 5-6)
     train_stage2_no_dpo(model, records, cfg, workdir)    Table 3's w/o DPO (cfg.stage2, stage-1 loss)
 
-Workdir: checkpoints/ (orbax), metrics.jsonl, tensorboard/, model/ (final, jaxrag format);
-stage 2 also ref_logprobs.npy (the frozen reference's log p(c_i+|q), log p(c_i-|q)).
+Workdir: checkpoints/ (orbax, while it trains), metrics.jsonl, tensorboard/, model/ (final,
+jaxrag format); stage 2 also ref_logprobs.npy (the frozen reference's log p(c_i+|q), log p(c_i-|q)).
 `records` is a construct-stage JSONL path or a list of records; `texts` a list of documents or
 a function epoch -> documents. On multi-host launches call
 `jaxrag.sharding.initialize_distributed()` first, before any other JAX call.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from jaxrag.models.model import Model, load_model, save_model
 from jaxrag.models.tokens import srrag_token_ids
 from jaxrag.train import losses
 from jaxrag.train.batches import RecordData, TextData, as_records
-from jaxrag.train.trainer import TrainSpec, accumulation_steps, fit, forward_fn
+from jaxrag.train.trainer import CHECKPOINTS, TrainSpec, accumulation_steps, fit, forward_fn
 
 FINAL = "model"
 REF_LOGPROBS = "ref_logprobs.npy"
@@ -48,13 +49,23 @@ def _finish(model: Model, decoder, params: dict, workdir: Path) -> Model:
     graphdef, _ = nnx.split(decoder)
     trained = Model(nnx.merge(graphdef, params), model.tokenizer, model.hf_config, model.sources)
     save_model(trained, workdir / FINAL)
+    _drop_checkpoints(workdir)
     return trained
+
+
+def _drop_checkpoints(workdir: Path) -> None:
+    """The trainer's checkpoints (params and optimizer state, up to `keep_checkpoints` of them:
+    3 x 84 GB for a 7B full fine-tune) only resume an unfinished training; once the final model
+    is saved they are removed (also when a run was killed between the two)."""
+    if jax.process_index() == 0:
+        shutil.rmtree(workdir / CHECKPOINTS, ignore_errors=True)
 
 
 def _done(model: Model, workdir: Path) -> Model | None:
     final = workdir / FINAL
     if not final.is_dir():
         return None
+    _drop_checkpoints(workdir)
     return load_model(final, dtype=model.config.dtype, param_dtype=model.config.param_dtype)
 
 

@@ -43,6 +43,7 @@ from jaxrag.train.losses import Forward, LossTerms, target_logprobs, token_logpr
 from jaxrag.train.metrics import MetricsLogger
 
 Objective = Callable[[Forward, dict], LossTerms]
+CHECKPOINTS = "checkpoints"  # the workdir's folder of train-state checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +242,7 @@ def fit(decoder: Decoder, data, objective: Objective, spec: TrainSpec, workdir: 
     graphdef, _ = nnx.split(decoder)
     abstract, shardings = state_shardings(decoder, spec, mesh, trainable)
     frozen = frozen_params(decoder, trainable, mesh)
-    ckpt = Checkpoints(workdir / "checkpoints", spec.keep_checkpoints)
+    ckpt = Checkpoints(workdir / CHECKPOINTS, spec.keep_checkpoints)
     start = ckpt.latest_step()
     if start is None:
         params = sharding.place(trainable.split(nnx.to_pure_dict(nnx.state(decoder)))[0], shardings["params"])
