@@ -30,8 +30,8 @@ def mini_config():
     cfg.construct.update(n_contexts=2, verbalize_max_tokens=8, kmeans_clusters=2, demos_per_cluster=1)
     cfg.stage1.update(batch_size=4, epochs=1)
     cfg.stage2.update(batch_size=4, epochs=1)
-    # One batch of 16 rows holds a whole test set (10 questions): with batches of 8, each set's
-    # remainder of 2 is a second row count, whose programs compile again for every model.
+    # One batch of 16 rows holds a whole test set (10 questions): one routed batch per set, path
+    # and method's latency, where batches of 8 take two (the second padded to 8 rows).
     cfg.inference.update(batch_size=16, k=3, max_answer_tokens=4, max_knowledge_tokens=96)
     cfg.baselines.update(seakr_samples=2, max_train_questions=20, ik_answer_tokens=4)
     return cfg

@@ -96,7 +96,7 @@ class _Tok:
 def test_untuned_methods_are_timed_in_the_same_batches_with_an_injected_clock(monkeypatch):
     from jaxrag.decode.routing import RouteConfig
 
-    monkeypatch.setattr(latency, "generate", lambda dec, prompts, max_new, stop_ids=(): [[p[0]] for p in prompts])
+    monkeypatch.setattr(latency, "generate", lambda dec, prompts, max_new, stop_ids=(), rows=None: [[p[0]] for p in prompts])
     model = types.SimpleNamespace(tokenizer=_Tok(), decoder=None)
     items = [("popqa", QAExample(str(i), f"q{i}", ("x",))) for i in range(3)] + [("nq", QAExample("9", "q9", ("x",)))]
     assert latency.latency_batches(items, 2) == [[0, 1], [2], [3]]

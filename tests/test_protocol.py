@@ -311,11 +311,11 @@ def test_latency_batches_that_compiled_are_timed_again(monkeypatch):
 
     compiled, calls = set(), []
 
-    def fake_route(model, questions, policy, retrieve, cfg):
-        calls.append((model, len(questions)))
+    def fake_route(model, questions, policy, retrieve, cfg, rows=None):
+        calls.append((model, len(questions), rows))
         seconds = 1.0
-        if (model, len(questions)) not in compiled:  # a new shape: JAX compiles, slowly
-            compiled.add((model, len(questions)))
+        if (model, rows) not in compiled:  # a new shape (rows: the batch size): JAX compiles, slowly
+            compiled.add((model, rows))
             jax.monitoring.record_event_duration_secs("/jax/core/compile/backend_compile_duration", 5.0)
             seconds = 5.0
         return [Routed(q, WIKI, [1.0, 0.0], None, None, "", "a", False, {"T_d": seconds}) for q in questions]
@@ -324,7 +324,9 @@ def test_latency_batches_that_compiled_are_timed_again(monkeypatch):
     ev = Evaluation(tiny_config("qwen2"), NoSelectors())
     paths = make_paths(["popqa"] * 2 + ["triviaqa"] * 3, [0] * 5, [1] * 5, p_wiki=[0.9] * 5)
     d = Decision(np.full(5, True), np.full(5, 0.9))
-    expected_calls = {"srrag": 4, "srrag_no_knn": 2, "selective_rag": 4}  # 2 batches, each twice if it compiled
+    # 2 batches (popqa's 2 questions, triviaqa's 3), both padded to the batch size: the first
+    # compiles and runs twice, the second reuses its programs and runs once.
+    expected_calls = {"srrag": 3, "srrag_no_knn": 2, "selective_rag": 3}
     for name, model in (("srrag", "srrag"), ("srrag_no_knn", "srrag"), ("selective_rag", "selective")):
         calls.clear()
         ev.results["average"][name] = {"acc": 1.0, "rag_frac": 1.0}
@@ -333,7 +335,7 @@ def test_latency_batches_that_compiled_are_timed_again(monkeypatch):
         routed = latency.route_items(model, paths.items, None, None, None, ev.bs, name)
         ev.measured(Method(name, model, "tau"), routed, paths, d, np.arange(5))
         assert ev.results["latency"][name]["latency_s"] == 1.0  # a compiling run's 5 s is never kept
-        assert len(calls) == expected_calls[name]
+        assert len(calls) == expected_calls[name] and {rows for _, _, rows in calls} == {ev.bs}
 
 
 def test_without_compiles_reruns_only_a_run_that_compiled():

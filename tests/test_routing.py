@@ -2,12 +2,15 @@
 
 import copy
 import dataclasses
+import types
+
+import jax
 
 import numpy as np
 import pytest
 
 from jaxrag.decode.routing import RouteConfig, route
-from jaxrag.decode.sampler import generate
+from jaxrag.decode.sampler import batch_rows, generate
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import add_special_tokens, for_inference
 from jaxrag.models.tokens import source_token
@@ -65,6 +68,38 @@ def test_batched_rows_equal_separate_runs(model, datastore):
         assert r.latency["T_d"] > 0 and r.latency["T_g"] > 0
         assert ("T_r" in r.latency) == (r.source == "wiki") and ("T_v" in r.latency) == (r.source == "self")
         assert r.knowledge_truncated == (r.source == "self")  # 6 tokens never reach <EOK> here
+
+
+COMPILED = []  # the decoder programs compiled (`extend`, `decode`), in order
+
+
+def _compiled(event: str, _seconds: float, fun_name: str = "", **_) -> None:
+    if event.endswith("backend_compile_duration") and fun_name in ("jit(extend)", "jit(decode)"):
+        COMPILED.append(fun_name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_compiled)
+
+
+def test_a_loops_last_shorter_batch_runs_the_full_batches_programs(model, datastore):
+    """`rows`: a loop's batch size. Its last, shorter batch is padded to it, so it compiles
+    nothing new (a batch of its own power of two would), and routes as it does alone; the
+    paper's batch of 10 questions runs 10 rows, not 16 (a multiple of the data-parallel size)."""
+    policy = srrag_policy(datastore, tau=0.0)
+    full = route(model, QUESTIONS[:3], policy, retrieve, CFG, rows=3)  # Wiki, Self, Wiki
+    before = len(COMPILED)
+    # A Wiki and a Self row, as in the full batch (the answer phase appends only as many
+    # knowledge columns as its batch needs: a batch of Self rows alone is a shorter chunk).
+    last = route(model, QUESTIONS[2:], policy, retrieve, CFG, rows=3)
+    assert len(COMPILED) == before and before > 0
+    for got, want in zip(full + last[1:], route(model, QUESTIONS, policy, retrieve, CFG)):
+        assert (got.source, got.knowledge, got.answer) == (want.source, want.knowledge, want.answer)
+        np.testing.assert_allclose(got.p_model, want.p_model, atol=1e-5)
+    assert (batch_rows(7), batch_rows(7, size=10), batch_rows(10, size=10)) == (8, 10, 10)
+    mesh = types.SimpleNamespace(shape={"data": 4, "fsdp": 2, "tensor": 1})
+    assert (batch_rows(3, mesh), batch_rows(3, mesh, 10), batch_rows(10, mesh, 10)) == (8, 16, 16)
+    with pytest.raises(ValueError, match="11 rows do not fit a batch of 10"):
+        batch_rows(11, size=10)
 
 
 def test_inference_layout_routes_and_answers_alike(model, datastore):

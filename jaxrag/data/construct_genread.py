@@ -111,8 +111,8 @@ def _generate_documents(model, prompts, rows: Sequence[int], max_new_tokens: int
     for b, start in enumerate(range(0, len(order), batch_size)):
         chunk = order[start:start + batch_size]
         batch = [prompts[rows[r]] for r in chunk]
-        generated = generate(model.decoder, batch + [batch[0]] * (batch_size - len(batch)), max_new_tokens, [eos],
-                             sampling, jax.random.fold_in(rng, b), mesh)
+        generated = generate(model.decoder, batch, max_new_tokens, [eos], sampling, jax.random.fold_in(rng, b), mesh,
+                             rows=batch_size)
         for r, ids in zip(chunk, generated):
             stopped = bool(ids) and ids[-1] == eos
             text = tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True).strip()

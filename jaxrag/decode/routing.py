@@ -77,10 +77,11 @@ def _knowledge_chunk(tok, passages: list[str] | None, verbal_stopped: bool, verb
 
 
 def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retrieve,
-          cfg: RouteConfig, rng: jax.Array | None = None, mesh=None) -> list[Routed]:
+          cfg: RouteConfig, rng: jax.Array | None = None, mesh=None, rows: int | None = None) -> list[Routed]:
     """Routes, verbalizes or retrieves, and answers a batch of questions in one pass.
 
-    `mesh`: rows are split over its batch axes (decoder placed with `shard_decoder`)."""
+    `mesh`: rows are split over its batch axes (decoder placed with `shard_decoder`).
+    `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`)."""
     if not questions:
         raise JaxragError("route: empty batch of questions")
     if not model.sources:
@@ -91,7 +92,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     eok, tail = model.token_id(EOK), answer_prefix_ids(tok)
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
     prompts = prompt_ids(tok, list(questions))
-    batch, plen = batch_rows(n, mesh), bucket(max(map(len, prompts)))
+    batch, plen = batch_rows(n, mesh, rows), bucket(max(map(len, prompts)))
     vlen = bucket(cfg.max_verbal_tokens)
     klen = bucket(cfg.max_knowledge_tokens + len(tail))
     alen = bucket(cfg.max_answer_tokens)

@@ -257,9 +257,14 @@ def shard_decoder(decoder: Decoder, mesh) -> Decoder:
     return nnx.merge(graphdef, state)
 
 
-def batch_rows(n: int, mesh=None) -> int:
-    """Padded batch size: a power of two, and a multiple of the mesh's data-parallel size."""
-    rows = 1 << max(0, int(n) - 1).bit_length()
+def batch_rows(n: int, mesh=None, size: int | None = None) -> int:
+    """Padded batch size for n rows: `size` when given (the batch size of a loop, so that its
+    last, shorter batch runs the full batches' programs instead of compiling its own, and a
+    batch of the paper's 10 questions runs 10 rows, not 16), else the next power of two (few
+    compiled shapes for batches of any size); a multiple of the mesh's data-parallel size."""
+    if size is not None and n > size:
+        raise ValueError(f"{n} rows do not fit a batch of {size}")
+    rows = int(size) if size is not None else 1 << max(0, int(n) - 1).bit_length()
     if mesh is None:
         return rows
     dp = data_parallel_size(mesh)
@@ -276,11 +281,12 @@ def on_mesh(array, mesh):
 def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
-             mesh=None) -> list[list[int]]:
+             mesh=None, rows: int | None = None) -> list[list[int]]:
     """Generates a continuation for each prompt (token ids); stop tokens are kept in the output.
 
     `stop_ids`: one list for all rows, or one list per row (e.g. EOS, `<EOK>`, source tokens).
     `mesh`: rows are split over its batch axes (the decoder placed with `shard_decoder`).
+    `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`).
     """
     if not prompts:
         raise ValueError("generate: empty batch")
@@ -289,7 +295,7 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     n = len(prompts)
     per_row = bool(stop_ids) and isinstance(stop_ids[0], (list, tuple, np.ndarray))
     stops = list(stop_ids) if per_row else [list(stop_ids)] * n
-    batch, length, steps = batch_rows(n, mesh), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
+    batch, length, steps = batch_rows(n, mesh, rows), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
     state = init_state(decoder, batch, length + steps)
     ids, mask = left_pad(prompts, length, batch)
     chunk = prefill_chunk(batch, decoder.cfg.num_heads, length + steps)

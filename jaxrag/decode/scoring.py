@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrag.decode.sampler import bucket, left_pad
+from jaxrag.decode.sampler import batch_rows, bucket, left_pad
 from jaxrag.models.decoder import Decoder
 from jaxrag.models.masks import positions_from_mask
 from jaxrag.train.losses import target_logprobs
@@ -35,7 +35,8 @@ def sequence_token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array, t
 
 def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
           batch_size: int = 16) -> Scores:
-    """log p(target_i | prefix_i) for each pair, in jitted batches of `batch_size` rows."""
+    """log p(target_i | prefix_i) for each pair, in jitted batches of `batch_size` rows (the last
+    one padded to it, so it runs the same program)."""
     if len(prefixes) != len(targets):
         raise ValueError(f"score: {len(prefixes)} prefixes but {len(targets)} targets")
     if any(len(p) == 0 for p in prefixes):
@@ -44,7 +45,7 @@ def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence
     for start in range(0, len(prefixes), batch_size):
         rows = [list(p) + list(t) for p, t in zip(prefixes[start:start + batch_size], targets[start:start + batch_size])]
         length = bucket(max(len(r) for r in rows))
-        ids, mask = left_pad(rows, length, bucket(len(rows), 1))
+        ids, mask = left_pad(rows, length, batch_rows(len(rows), size=batch_size))
         part = targets[start:start + batch_size]
         at = np.zeros((len(ids), min(length, bucket(max(map(len, part)), 1))), np.int32)
         for i, target in enumerate(part):  # rows are left-padded: a target ends its row

@@ -145,7 +145,7 @@ def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, 
                 def forced(x: PolicyInputs):
                     recorded.append(x)
                     return always(source)(x)
-                return route(model, questions[start:start + batch_size], forced, retrieve, cfg), recorded
+                return route(model, questions[start:start + batch_size], forced, retrieve, cfg, rows=batch_size), recorded
             routed, batch_inputs = without_compiles(run)
             if source == model.sources[0]:
                 seen += batch_inputs
@@ -161,12 +161,12 @@ def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, 
     return Paths(items, tuple(model.sources), correct, latency, answers, inputs)
 
 
-def _timed_generate(model: Model, prompts: list[str], max_new: int) -> tuple[list[str], float]:
+def _timed_generate(model: Model, prompts: list[str], max_new: int, rows: int) -> tuple[list[str], float]:
     tok = model.tokenizer
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
 
     def run():
-        out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos)
+        out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos, rows=rows)
         return [tok.decode(o, skip_special_tokens=True).strip() for o in out]
     return without_compiles(lambda: timed(run))
 
@@ -183,10 +183,10 @@ def untuned_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache,
         qs, chunk = questions[start:start + batch_size], items[start:start + batch_size]
         passages, t_r = retrieve(qs), sum(retrieve.seconds[q] for q in qs)
         wiki, t_g = _timed_generate(model, [base_prompt_text(q, p) for q, p in zip(qs, passages)],
-                                    cfg.max_answer_tokens)
-        docs, t_v = _timed_generate(model, [genread_prompt_text(q) for q in qs], cfg.max_verbal_tokens)
+                                    cfg.max_answer_tokens, batch_size)
+        docs, t_v = _timed_generate(model, [genread_prompt_text(q) for q in qs], cfg.max_verbal_tokens, batch_size)
         verb, t_gv = _timed_generate(model, [base_prompt_text(q, [d]) for q, d in zip(qs, docs)],
-                                     cfg.max_answer_tokens)
+                                     cfg.max_answer_tokens, batch_size)
         for source, texts, seconds in ((WIKI, wiki, t_r + t_g), (SELF, verb, t_v + t_gv)):
             correct[source] += [score_prediction(name, a, ex) for (name, ex), a in zip(chunk, texts)]
             latency[source] += [seconds / len(qs)] * len(qs)

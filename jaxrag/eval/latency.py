@@ -68,7 +68,8 @@ def route_items(model: Model, items: Sequence[Item], policy: Policy, retrieve: C
     out: list[Routed | None] = [None] * len(items)
     questions = questions_of(items)
     for batch in tqdm(latency_batches(items, batch_size), desc=desc, unit="batch", leave=False):
-        routed = without_compiles(lambda batch=batch: route(model, [questions[i] for i in batch], policy, retrieve, cfg))
+        routed = without_compiles(lambda batch=batch: route(model, [questions[i] for i in batch], policy, retrieve, cfg,
+                                                            rows=batch_size))
         for i, r in zip(batch, routed):
             out[i] = r
     return out
@@ -93,7 +94,7 @@ def untuned_route_items(model: Model, items: Sequence[Item], source: str, retrie
     questions = questions_of(items)
 
     def gen(prompts: list[str], max_new: int) -> list[str]:
-        out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos)
+        out = generate(model.decoder, base_prompt_ids(tok, prompts), max_new, stop_ids=eos, rows=batch_size)
         return [tok.decode(o, skip_special_tokens=True).strip() for o in out]
 
     def run(batch: list[int]) -> list[Routed]:

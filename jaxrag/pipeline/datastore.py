@@ -40,7 +40,7 @@ def preferred_sources(model, records: list[dict], cfg: ConfigDict) -> tuple[np.n
             seen.append(inputs.hidden)
             return always(SELF)(inputs)
 
-        routed = route(model, questions[start:start + batch], forced, lambda qs: [[""]] * len(qs), rc)
+        routed = route(model, questions[start:start + batch], forced, lambda qs: [[""]] * len(qs), rc, rows=batch)
         keys.append(seen[0])
         verbal += [r.knowledge for r in routed]
     tail = answer_prefix_ids(tok)

@@ -199,7 +199,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     c, inf = cfg.construct, cfg.inference
     verbal = int(c.verbalize_max_tokens)
     prompt = int(c.max_prompt_tokens) or (int(c.demos_per_cluster) + 1) * (verbal + 48)
-    gen_rows = sampler.batch_rows(int(c.generate_batch_size), mesh)
+    gen_rows = sampler.batch_rows(int(c.generate_batch_size), mesh, int(c.generate_batch_size))
     gen_slots = bucket(prompt) + bucket(verbal)
     gen_calls = math.ceil(TRAIN_QUESTIONS * int(c.n_contexts) / gen_rows)
     gen_fix = (f"--config.construct.generate_batch_size={max(1, gen_rows // 2)}",)
@@ -207,7 +207,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     extend_program("construct generation: prefill", gen_rows, chunk, gen_slots,
                    gen_calls * -(-bucket(prompt) // chunk), gen_fix)
     extend_program("construct generation: decode step", gen_rows, 1, gen_slots, gen_calls * verbal, gen_fix)
-    score_rows = sampler.batch_rows(int(c.score_batch_size), mesh)
+    score_rows = sampler.batch_rows(int(c.score_batch_size), mesh, int(c.score_batch_size))
     score_len = bucket(128 + max(verbal, 192) + int(inf.max_answer_tokens) + 32)
     answer = min(score_len, bucket(int(inf.max_answer_tokens)))
     score_calls = math.ceil(TRAIN_QUESTIONS * 2 * int(c.n_contexts) / score_rows)
@@ -217,7 +217,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     programs.append(Program("construct likelihood scoring", fn, (abstract_params, b["ids"], b["mask"], b["at"]),
                             forward_flops(dec_cfg, score_rows, score_len, score_len, answer), score_rows * score_len,
                             score_calls, param_bytes, (f"--config.construct.score_batch_size={max(1, score_rows // 2)}",)))
-    route_rows = sampler.batch_rows(int(inf.batch_size), mesh)
+    route_rows = sampler.batch_rows(int(inf.batch_size), mesh, int(inf.batch_size))  # as the eval's loops
     knowledge = bucket(int(inf.max_knowledge_tokens) + 8)
     route_slots = 128 + 1 + bucket(verbal) + knowledge + bucket(int(inf.max_answer_tokens))
     route_fix = (f"--config.inference.batch_size={max(1, route_rows // 2)}",)
