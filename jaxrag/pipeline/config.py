@@ -193,7 +193,7 @@ def tiny_config(family: str) -> ConfigDict:
         extra_passages_lambda=2.0,  # weight of the extra-passages term (Eq. 4)
         per_device_batch_size=0,  # 0: the whole batch in one pass
         checkpoint_every=200,  # steps between checkpoints
-        keep_checkpoints=3,  # checkpoints kept
+        keep_checkpoints=3,  # checkpoints kept while it trains (removed once its model is saved)
         log_every=10,  # steps between metric lines
         token_lr_scale=30.0,  # the SR-RAG tokens' rows learn at lr x this (above)
     ))
@@ -208,7 +208,7 @@ def tiny_config(family: str) -> ConfigDict:
         extra_passages_lambda=2.0,  # weight of the extra-passages term
         per_device_batch_size=0,  # 0: the whole batch in one pass
         checkpoint_every=200,  # steps between checkpoints
-        keep_checkpoints=3,  # checkpoints kept
+        keep_checkpoints=3,  # checkpoints kept while it trains (removed once its model is saved)
         log_every=10,  # steps between metric lines
         token_lr_scale=1.0,  # the SR-RAG tokens' rows at the body's lr
     ))
