@@ -144,9 +144,8 @@ def smoke():
         stage2=dict(batch_size=4, epochs=1, per_device_batch_size=2, checkpoint_every=50),
         inference=dict(k=3, batch_size=8, max_answer_tokens=8, max_knowledge_tokens=48),
         baselines=dict(seakr_samples=2, max_train_questions=24, ik_answer_tokens=4),
-        # Latency on one batch of inference.batch_size per test set (the test's six-question sets
-        # whole): 8 rows, the knowledge paths' row count, so the latency batches reuse their compiled
-        # programs (4 questions are a second row count: 245 programs compiled in eval, not 166).
+        # Latency on one batch per test set: the test's six-question sets whole, in the 8 rows
+        # of inference.batch_size that every routed batch runs (so, the paths' compiled programs).
         eval=dict(bootstrap_samples=100, latency_questions=8, latency_sweep_points=3),
     ))
 
