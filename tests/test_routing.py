@@ -1,5 +1,6 @@
 """SR-RAG routed inference: batched rows equal separate runs; tau flips routes; truncation."""
 
+import contextlib
 import copy
 import dataclasses
 import types
@@ -69,16 +70,20 @@ def test_batched_rows_equal_separate_runs(model, datastore):
         assert r.knowledge_truncated == (r.source == "self")  # 6 tokens never reach <EOK> here
 
 
-COMPILED = []  # the decoder programs traced for a new shape (`extend`, `decode`), in order; a
-# program the persistent compilation cache holds is traced all the same, never compiled
+@contextlib.contextmanager
+def decoder_traces():
+    """The decoder programs (`extend`, `decode`) traced for a new shape inside the block, in
+    order: a program the persistent compilation cache holds is traced all the same, never compiled."""
+    traced = []
 
-
-def _traced(event: str, _seconds: float, fun_name: str = "", **_) -> None:
-    if event.endswith("jaxpr_trace_duration") and fun_name in ("extend", "decode"):
-        COMPILED.append(fun_name)
-
-
-jax.monitoring.register_event_duration_secs_listener(_traced)
+    def listen(event: str, _seconds: float, fun_name: str = "", **_) -> None:
+        if event.endswith("jaxpr_trace_duration") and fun_name in ("extend", "decode"):
+            traced.append(fun_name)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield traced
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_a_loops_last_shorter_batch_runs_the_full_batches_programs(model, datastore):
@@ -86,12 +91,14 @@ def test_a_loops_last_shorter_batch_runs_the_full_batches_programs(model, datast
     nothing new (a batch of its own power of two would), and routes as it does alone; the
     paper's batch of 10 questions runs 10 rows, not 16 (a multiple of the data-parallel size)."""
     policy = srrag_policy(datastore, tau=0.0)
-    full = route(model, QUESTIONS[:3], policy, retrieve, CFG, rows=3)  # Wiki, Self, Wiki
-    before = len(COMPILED)
-    # A Wiki and a Self row, as in the full batch (the answer phase appends only as many
-    # knowledge columns as its batch needs: a batch of Self rows alone is a shorter chunk).
-    last = route(model, QUESTIONS[2:], policy, retrieve, CFG, rows=3)
-    assert len(COMPILED) == before and before > 0
+    with decoder_traces() as traced:
+        full = route(model, QUESTIONS[:3], policy, retrieve, CFG, rows=3)  # Wiki, Self, Wiki
+    assert traced
+    with decoder_traces() as traced:
+        # A Wiki and a Self row, as in the full batch (the answer phase appends only as many
+        # knowledge columns as its batch needs: a batch of Self rows alone is a shorter chunk).
+        last = route(model, QUESTIONS[2:], policy, retrieve, CFG, rows=3)
+    assert traced == []
     for got, want in zip(full + last[1:], route(model, QUESTIONS, policy, retrieve, CFG)):
         assert (got.source, got.knowledge, got.answer) == (want.source, want.knowledge, want.answer)
         np.testing.assert_allclose(got.p_model, want.p_model, atol=1e-5)
