@@ -30,8 +30,10 @@ def test_laptop_example_routes_real_questions(tmp_path, capsys):
         else:
             assert set(r.latency) == {"T_d", "T_v", "T_g"}
     assert {"convert", "chunk+index", "route"} <= set(out["timings"])
-    again = example.main(["--workdir", str(tmp_path), "--source", "wiki",
-                          "Which engineer is the Eiffel Tower named after?"])
+    # The same four questions (the first call's compiled programs), all retrieving this time.
+    again = example.main(["--workdir", str(tmp_path), "--source", "wiki", *example.QUESTIONS])
     assert "convert" not in again["timings"] and "chunk+index" not in again["timings"]
+    assert [r.source for r in again["rows"]] == ["wiki"] * 4
+    assert again["rows"][0].question == "Which engineer is the Eiffel Tower named after?"
     assert again["rows"][0].knowledge.startswith("(Title: Eiffel Tower)")
     assert "seconds per step" in capsys.readouterr().out
