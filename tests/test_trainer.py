@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from train_fixtures import tiny_model, toy_record, toy_records, train_config
+from train_fixtures import stopped_after, tiny_model, toy_record, toy_records, train_config
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import EOK
@@ -161,6 +161,22 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, model):
     assert steps and not (tmp_path / "model").exists()
     last = read_metrics(tmp_path)[-1]
     assert last["step"] == steps[-1] + 1 and not math.isfinite(float(last["loss"]))
+
+
+def test_the_last_step_is_not_checkpointed_and_a_run_stopped_after_it_redoes_it(tmp_path, model):
+    """The last step's state becomes the stage's model, never a checkpoint (3x its bytes, removed
+    right after): a run stopped after that step, before its model is saved, resumes from the
+    latest checkpoint and redoes the steps after it, to the uninterrupted run's weights."""
+    cfg = train_config(pretrain=dict(steps=5, checkpoint_every=2))
+    straight = stages.train_lm(model, TEXTS, cfg, tmp_path / "straight")
+    with stopped_after(5):
+        stages.train_lm(model, TEXTS, cfg, tmp_path / "run")
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert not (tmp_path / "run" / stages.FINAL).exists()
+    resumed = stages.train_lm(model, TEXTS, cfg, tmp_path / "run")
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    jax.tree.map(np.testing.assert_array_equal, params_of(resumed), params_of(straight))
 
 
 SCRIPT = """

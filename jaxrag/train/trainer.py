@@ -13,9 +13,13 @@
 - One jitted step with donated state. The global batch (config `batch_size`) is split into
   `accumulation_steps` micro-batches scanned in sequence, so the batch is the configured one on
   any device count; losses are sums divided by the global count, so accumulation is exact.
-- Checkpoints every `checkpoint_every` steps and at the end; a rerun resumes from the latest
-  with the same data order (the order is a function of seed and epoch only). A non-finite loss
-  or gradient stops the run before it is checkpointed.
+- Checkpoints every `checkpoint_every` steps before the last; a rerun resumes from the latest
+  with the same data order (the order is a function of seed and epoch only). The last step's
+  state is not checkpointed: the caller saves it as the stage's model (`stages._finish`), and a
+  checkpoint of it (params and optimizer state, 3x the model's bytes) would be removed right
+  after. A run killed before that model is saved resumes from the latest checkpoint and redoes
+  the steps after it, to the same weights. A non-finite loss or gradient stops the run before
+  it is checkpointed.
 """
 
 from __future__ import annotations
@@ -287,7 +291,7 @@ class _Loop:
 
     def dispatched(self, step: int, metrics: dict, state: dict, meta: dict) -> None:
         self.pending.append((step, metrics))
-        save = step % self.spec.checkpoint_every == 0 or step == self.spec.total_steps
+        save = step % self.spec.checkpoint_every == 0 and step < self.spec.total_steps
         while len(self.pending) > (0 if save else 1):
             self._consume(*self.pending.pop(0))
         if save:  # every step up to this one was checked: the state is good
