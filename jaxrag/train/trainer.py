@@ -16,8 +16,8 @@
 - Checkpoints every `checkpoint_every` steps before the last; a rerun resumes from the latest
   with the same data order (the order is a function of seed and epoch only). The last step's
   state is not checkpointed: the caller saves it as the stage's model (`stages._finish`), and a
-  checkpoint of it (params and optimizer state, 3x the model's bytes) would be removed right
-  after. A run killed before that model is saved resumes from the latest checkpoint and redoes
+  checkpoint of it (the trained params and their Adam moments, 3x the model's bytes in a full
+  fine-tune) would be removed right after. A run killed before that model is saved resumes from the latest checkpoint and redoes
   the steps after it, to the same weights. A non-finite loss or gradient stops the run before
   it is checkpointed.
 """
