@@ -97,8 +97,8 @@ class Stopped(Exception):
 def stopped_after(step: int):
     """The training run inside stops right after step `step` (and its checkpoint, when it takes
     one), with no final model, as a run killed there would: a rerun resumes from the latest
-    checkpoint. (A finished
-    training removes its checkpoints, so a finished run cannot stand in for a killed one.)"""
+    checkpoint. (A finished training removes its checkpoints, so a finished run cannot stand in
+    for a killed one.)"""
     from jaxrag.train import trainer
 
     dispatched = trainer._Loop.dispatched
