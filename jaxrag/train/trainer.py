@@ -17,9 +17,9 @@
   with the same data order (the order is a function of seed and epoch only). The last step's
   state is not checkpointed: the caller saves it as the stage's model (`stages._finish`), and a
   checkpoint of it (the trained params and their Adam moments, 3x the model's bytes in a full
-  fine-tune) would be removed right after. A run killed before that model is saved resumes from the latest checkpoint and redoes
-  the steps after it, to the same weights. A non-finite loss or gradient stops the run before
-  it is checkpointed.
+  fine-tune) would be removed right after. A run killed before that model is saved resumes
+  from the latest checkpoint and redoes the steps after it, to the same weights. A non-finite
+  loss or gradient stops the run before it is checkpointed.
 """
 
 from __future__ import annotations
