@@ -249,3 +249,27 @@ def test_the_fit_check_runs_on_cpu_against_host_memory(tiny_hf, monkeypatch):
     with pytest.raises(JaxragError, match=r"would run out of host memory \(jaxrag.plan\):\n  stage1 step: .* GB per "
                                           r"device > .* GB usable; try --config.stage1.per_device_batch_size=2"):
         plan_fit.check_fit(cfg)
+
+
+def test_the_encoder_program_is_the_configs_encoder():
+    """The planned retriever encoder is the config's own (all-MiniLM-L6-v2 here: its weights'
+    bytes, 6 layers at 256 tokens), and BERT-base at DPR's 256 tokens when the encoder is not on
+    this machine."""
+    from safetensors.numpy import load_file
+
+    from jaxrag import sharding
+    from jaxrag.models.encoder_io import default_encoder_path
+    from jaxrag.pipeline.config import get_config_for
+    from jaxrag.plan.programs import ENCODER, encoder_architecture, encoder_program
+
+    cfg = get_config_for("qwen2", "tiny")
+    assert cfg.retrieval.encoder == "minilm"
+    program = encoder_program(cfg, sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+    weights = load_file(str(default_encoder_path() / "model.safetensors"))
+    want = sum(w.size * 4 for k, w in weights.items() if "pooler" not in k and "position_ids" not in k)
+    assert program.read_bytes == want  # float32, no pooler (mean pooling)
+    seq = json.loads((default_encoder_path() / "sentence_bert_config.json").read_text())["max_seq_length"]
+    e, f, layers = 384, 1536, 6  # all-MiniLM-L6-v2's config.json
+    assert program.tokens == 64 * seq
+    assert program.flops == 2 * layers * (4 * e * e + 2 * e * f) * 64 * seq + 4 * layers * e * 64 * seq**2
+    assert encoder_architecture("no-such-org/no-such-encoder") == (ENCODER, 256)

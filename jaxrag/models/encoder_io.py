@@ -174,7 +174,8 @@ def _pooling_from_dir(path: Path) -> tuple[str, bool]:
     raise JaxragError(f"{path / pool_dirs[0]}: unsupported pooling config {pcfg}")
 
 
-def _max_length(path: Path, hf: dict) -> int:
+def max_length_of(path: Path, hf: dict) -> int:
+    """The tokens an encoder directory reads per text (sentence-transformers' max_seq_length, DPR's 256)."""
     st = path / "sentence_bert_config.json"
     if st.exists():
         return int(_read_json(st).get("max_seq_length", 256))
@@ -309,4 +310,4 @@ def load_encoder(path: str | os.PathLike | None = None, *, name: str | None = No
     name = name or resolved_name
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return TextEncoder(model, tokenizer, name=name, pooling=mode, normalize=normalize,
-                       max_length=max_length or _max_length(path, hf), pair_input=hf.get("model_type") == "dpr")
+                       max_length=max_length or max_length_of(path, hf), pair_input=hf.get("model_type") == "dpr")

@@ -16,12 +16,14 @@ Shapes (the planner's stated assumptions where the data decides them):
 - generation programs (construct's and routing's) read the model as inference loads it
   (`for_inference`: LoRA merged into the base, each layer's weights in buffers of their own) and
   take their decode state donated, as the sampler does.
-- retriever encoder: BERT-base (the DPR question encoder's shape), 64 rows x 256 tokens.
+- retriever encoder: the config's `retrieval.encoder` (its config.json, where it is on this machine;
+  else BERT-base, the DPR question encoder's shape), 64 rows x its maximum length (DPR: 256 tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, unstack_layers
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
+from jaxrag.models.encoder_io import max_length_of, resolve_encoder
 from jaxrag.models.families import FAMILIES
 from jaxrag.models.lora import Trainable, check_targets
 from jaxrag.models.masks import positions_from_mask
@@ -47,6 +50,7 @@ from jaxrag.train import losses, trainer
 # Published config.json values of the paper's models (`families.PaperModel.config`), by hub
 # name, so a plan needs no download.
 PAPER_ARCHS = {f.paper.hub: f.paper.config for f in FAMILIES.values()}
+# BERT-base: the paper's DPR encoders, planned when the config's encoder is not on this machine.
 ENCODER = BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
 TRAIN_QUESTIONS = 50_912  # the paper's six training sets (Table 5)
 # The programs `decoder_programs` + `encoder_program` make, in that order.
@@ -227,16 +231,30 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     return programs
 
 
-def encoder_program(mesh, rows: int = 64, length: int = 256) -> Program:
-    """The retriever's query/passage encoder (BERT-base), replicated weights, batch-sharded rows."""
-    model = nnx.eval_shape(lambda: BertEncoder(ENCODER, nnx.Rngs(0)))
+def encoder_architecture(name: str) -> tuple[BertConfig, int]:
+    """(architecture, tokens per text) of the retriever encoder `name` (an alias, a directory or a
+    cached hub id), read from its config.json; BERT-base at DPR's 256 tokens when it is not on
+    this machine (the paper's DPR encoders are BERT-base)."""
+    try:
+        path, _ = resolve_encoder(name)
+        hf_config = json.loads((path / "config.json").read_text())
+        return BertConfig.from_hf(hf_config), max_length_of(path, hf_config)
+    except (JaxragError, OSError, ValueError, KeyError):
+        return ENCODER, 256
+
+
+def encoder_program(cfg, mesh, rows: int = 64) -> Program:
+    """The retriever's query/passage encoder (`encoder_architecture`), replicated weights,
+    batch-sharded rows."""
+    arch, length = encoder_architecture(str(cfg.retrieval.encoder))
+    model = nnx.eval_shape(lambda: BertEncoder(arch, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     rep = sharding.replicated(mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), state)
     b = _batch(mesh, ids=((rows, length), jnp.int32), mask=((rows, length), jnp.int32))
     fn = jax.jit(lambda s, ids, mask: pool(nnx.merge(graphdef, s), nnx.merge(graphdef, s)(ids, mask), mask, "cls", False))
-    e, f = ENCODER.hidden_size, ENCODER.intermediate_size
-    flops = 2 * ENCODER.num_layers * (4 * e * e + 2 * e * f) * rows * length + 4 * ENCODER.num_layers * e * rows * length**2
+    e, f = arch.hidden_size, arch.intermediate_size
+    flops = 2 * arch.num_layers * (4 * e * e + 2 * e * f) * rows * length + 4 * arch.num_layers * e * rows * length**2
     n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
     return Program("retriever encoder", fn, (abstract, b["ids"], b["mask"]), flops, rows * length, 0,
                    n_bytes, ())
@@ -244,7 +262,7 @@ def encoder_program(mesh, rows: int = 64, length: int = 256) -> Program:
 
 def pipeline_programs(cfg, mesh) -> list[Program]:
     """Every heavy program of the pipeline for config `cfg` on `mesh`, in `PROGRAMS` order."""
-    return decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(mesh)]
+    return decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(cfg, mesh)]
 
 
 def plan_decoder_config(cfg) -> DecoderConfig:
