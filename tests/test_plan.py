@@ -273,3 +273,23 @@ def test_the_encoder_program_is_the_configs_encoder():
     assert program.tokens == 64 * seq
     assert program.flops == 2 * layers * (4 * e * e + 2 * e * f) * 64 * seq + 4 * layers * e * 64 * seq**2
     assert encoder_architecture("no-such-org/no-such-encoder") == (ENCODER, 256)
+
+
+def test_calls_follow_the_configs_training_mixture():
+    """The estimated hours count the config's training questions (`data.train_sizes`), not Table
+    5's: 60 questions of the paper's Qwen recipe are one stage-1 step of 64 and 60 x 5 contexts
+    of GenRead in batches of 64."""
+    import math
+
+    from jaxrag import sharding
+    from jaxrag.pipeline.config import get_config_for
+    from jaxrag.plan.programs import decoder_programs, plan_decoder_config, train_questions
+
+    cfg = get_config_for("qwen2", "")
+    assert train_questions(cfg) == 50_912  # Table 5
+    cfg.data.train_sizes = {name: 10 for name in cfg.data.train_sizes}
+    programs = {p.name: p for p in decoder_programs(cfg, plan_decoder_config(cfg), sharding.make_mesh(
+        cfg.mesh, jax.devices()[:1]))}
+    assert programs["stage1 step"].calls == int(cfg.stage1.epochs) * math.ceil(60 / int(cfg.stage1.batch_size)) == 1
+    gen = math.ceil(60 * int(cfg.construct.n_contexts) / int(cfg.construct.generate_batch_size))
+    assert programs["construct generation: decode step"].calls == gen * int(cfg.construct.verbalize_max_tokens)

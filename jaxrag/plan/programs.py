@@ -16,6 +16,7 @@ Shapes (the planner's stated assumptions where the data decides them):
 - generation programs (construct's and routing's) read the model as inference loads it
   (`for_inference`: LoRA merged into the base, each layer's weights in buffers of their own) and
   take their decode state donated, as the sampler does.
+- calls per run (for the estimated hours): over the config's training mixture (`train_questions`).
 - retriever encoder: the config's `retrieval.encoder` (its config.json, where it is on this machine;
   else BERT-base, the DPR question encoder's shape), 64 rows x its maximum length (DPR: 256 tokens).
 """
@@ -52,7 +53,6 @@ from jaxrag.train import losses, trainer
 PAPER_ARCHS = {f.paper.hub: f.paper.config for f in FAMILIES.values()}
 # BERT-base: the paper's DPR encoders, planned when the config's encoder is not on this machine.
 ENCODER = BertConfig(vocab_size=30522, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
-TRAIN_QUESTIONS = 50_912  # the paper's six training sets (Table 5)
 # The programs `decoder_programs` + `encoder_program` make, in that order.
 PROGRAMS = ("stage1 step", "stage2 step", "DPO reference scoring", "construct generation: prefill",
             "construct generation: decode step", "construct likelihood scoring", "routed decoding: knowledge prefill",
@@ -114,6 +114,11 @@ def _batch(mesh, **shapes):
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=bs) for k, (shape, dtype) in shapes.items()}
 
 
+def train_questions(cfg) -> int:
+    """The training mixture's size: `data.train_sizes` over `data.train` (Table 5: 50,912)."""
+    return sum(int(cfg.data.train_sizes[name]) for name in cfg.data.train)
+
+
 def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     """Every decoder program of the pipeline for config `cfg` on `mesh`."""
     decoder = nnx.eval_shape(lambda: Decoder(dec_cfg, nnx.Rngs(0)))
@@ -130,6 +135,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     dp = sharding.data_parallel_size(mesh)
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / mesh.size
     remat, length = cfg.model.get("remat", "none"), int(cfg.model.max_length)
+    questions = train_questions(cfg)
     scored = min(length, -(-(2 + int(cfg.construct.verbalize_max_tokens) + int(cfg.inference.max_answer_tokens)) // 8) * 8)
     i32, f32 = jnp.int32, jnp.float32
     programs = []
@@ -156,7 +162,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
         micro = spec.batch_size // accum // dp
         fixes = ([f"--config.{name}.per_device_batch_size={max(1, micro // 2)}"] if micro > 1 else []) + \
             ([] if remat == "block" else ["--config.model.remat=block"])
-        steps = int(section.epochs) * math.ceil(TRAIN_QUESTIONS / spec.batch_size)
+        steps = int(section.epochs) * math.ceil(questions / spec.batch_size)
         programs.append(Program(f"{name} step", step, (_abstract(abstract, shardings), batch, abstract_frozen),
                                 train_flops(dec_cfg, rows, length, scored, remat), rows * length, steps,
                                 param_bytes, tuple(fixes)))
@@ -166,7 +172,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
                           out_shardings=sharding.replicated(mesh))
             programs.append(Program("DPO reference scoring", ref, (abstract_params, stage_batch(mrows, True)),
                                     forward_flops(dec_cfg, 2 * mrows, length, length, scored), 2 * mrows * length,
-                                    math.ceil(TRAIN_QUESTIONS / mrows), param_bytes, tuple(fixes[:1])))
+                                    math.ceil(questions / mrows), param_bytes, tuple(fixes[:1])))
 
     # Generation's model: adapters merged into the base (in its dtype), layers unstacked.
     inf_cfg = dataclasses.replace(dec_cfg, lora_rank=0, lora_alpha=0.0, lora_targets=())
@@ -205,7 +211,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     prompt = int(c.max_prompt_tokens) or (int(c.demos_per_cluster) + 1) * (verbal + 48)
     gen_rows = sampler.batch_rows(int(c.generate_batch_size), mesh, int(c.generate_batch_size))
     gen_slots = bucket(prompt) + bucket(verbal)
-    gen_calls = math.ceil(TRAIN_QUESTIONS * int(c.n_contexts) / gen_rows)
+    gen_calls = math.ceil(questions * int(c.n_contexts) / gen_rows)
     gen_fix = (f"--config.construct.generate_batch_size={max(1, gen_rows // 2)}",)
     chunk = min(bucket(prompt), sampler.prefill_chunk(gen_rows, dec_cfg.num_heads, gen_slots))  # as generate()
     extend_program("construct generation: prefill", gen_rows, chunk, gen_slots,
@@ -214,7 +220,7 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     score_rows = sampler.batch_rows(int(c.score_batch_size), mesh, int(c.score_batch_size))
     score_len = bucket(128 + max(verbal, 192) + int(inf.max_answer_tokens) + 32)
     answer = min(score_len, bucket(int(inf.max_answer_tokens)))
-    score_calls = math.ceil(TRAIN_QUESTIONS * 2 * int(c.n_contexts) / score_rows)
+    score_calls = math.ceil(questions * 2 * int(c.n_contexts) / score_rows)
     fn = jax.jit(lambda p, ids, mask, at: losses.target_logprobs(
         nnx.merge(graphdef, p)(ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
     b = _batch(mesh, ids=((score_rows, score_len), i32), mask=((score_rows, score_len), bool), at=((score_rows, answer), i32))
