@@ -174,6 +174,16 @@ def _pooling_from_dir(path: Path) -> tuple[str, bool]:
     raise JaxragError(f"{path / pool_dirs[0]}: unsupported pooling config {pcfg}")
 
 
+def encoder_config(path: Path) -> dict:
+    """The config.json of the BERT-family encoder directory `path`."""
+    if not (path / "config.json").exists():
+        raise JaxragError(f"{path}: not an encoder directory (no config.json)")
+    hf = _read_json(path / "config.json")
+    if hf.get("model_type") not in ("bert", "dpr"):
+        raise JaxragError(f"{path}/config.json: model_type {hf.get('model_type')!r} is not a BERT-family encoder")
+    return hf
+
+
 def max_length_of(path: Path, hf: dict) -> int:
     """The tokens an encoder directory reads per text (sentence-transformers' max_seq_length, DPR's 256)."""
     st = path / "sentence_bert_config.json"
@@ -295,11 +305,7 @@ def load_encoder(path: str | os.PathLike | None = None, *, name: str | None = No
     from transformers import AutoTokenizer
 
     path, resolved_name = resolve_encoder(path)
-    if not (path / "config.json").exists():
-        raise JaxragError(f"{path}: not an encoder directory (no config.json)")
-    hf = _read_json(path / "config.json")
-    if hf.get("model_type") not in ("bert", "dpr"):
-        raise JaxragError(f"{path}/config.json: model_type {hf.get('model_type')!r} is not a BERT-family encoder")
+    hf = encoder_config(path)
     mode, normalize = _pooling_from_dir(path)
     mode = pooling or mode
     if mode not in POOLING_MODES:

@@ -24,7 +24,6 @@ Shapes (the planner's stated assumptions where the data decides them):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, unstack_layers
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
-from jaxrag.models.encoder_io import max_length_of, resolve_encoder
+from jaxrag.models.encoder_io import encoder_config, max_length_of, resolve_encoder
 from jaxrag.models.families import FAMILIES
 from jaxrag.models.lora import Trainable, check_targets
 from jaxrag.models.masks import positions_from_mask
@@ -243,9 +242,9 @@ def encoder_architecture(name: str) -> tuple[BertConfig, int]:
     this machine (the paper's DPR encoders are BERT-base)."""
     try:
         path, _ = resolve_encoder(name)
-        hf_config = json.loads((path / "config.json").read_text())
+        hf_config = encoder_config(path)
         return BertConfig.from_hf(hf_config), max_length_of(path, hf_config)
-    except (JaxragError, OSError, ValueError, KeyError):
+    except JaxragError:
         return ENCODER, 256
 
 
