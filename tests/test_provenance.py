@@ -132,3 +132,52 @@ def test_an_interrupted_stage_resumes_only_under_the_same_inputs(tmp_path):
     cfg.stage1.epochs = 2
     with pytest.raises(JaxragError, match="stage1 was built from another config"):
         P.plan(cfg, tmp_path, NAMES, done, True)
+
+
+# -- the code each stage was built by ---------------------------------------------------------------
+
+CODE_A = {"commit": "a" * 40, "dirty": False, "jaxrag": "0.1.0", "jax": "1", "flax": "2", "transformers": "3"}
+CODE_B = {**CODE_A, "commit": "b" * 40, "dirty": True}
+
+
+def test_records_name_their_code_and_a_new_commit_makes_nothing_stale(tmp_path, monkeypatch):
+    """Each record names the code that built the stage; a later commit (the same config) skips
+    every finished stage, keeping the code that built it, and a resumed stage names both codes."""
+    cfg = tiny_config("qwen2")
+    monkeypatch.setattr(P, "code_identity", lambda: CODE_A)
+    done = finished(tmp_path, cfg)
+    assert P.stages_code(tmp_path) == dict.fromkeys(NAMES, CODE_A)
+    monkeypatch.setattr(P, "code_identity", lambda: CODE_B)
+    steps = P.plan(cfg, tmp_path, NAMES, done, True)
+    assert set(actions(steps).values()) == {"skip"} and all(s.record["code"] == CODE_A for s in steps)
+    done.update(stage2=False)  # killed during stage 2 at commit a, resumed at commit b
+    step = next(s for s in P.plan(cfg, tmp_path, NAMES, done, True) if s.name == "stage2")
+    assert (step.action, step.record["code"], step.record["code_started"]) == ("run", CODE_B, CODE_A)
+    assert step.record["build"] == P.read_record(tmp_path, "stage2")["build"]  # the same build
+    cfg.inference.tau = 0.5  # a redone stage is built by the code running now
+    eval_step = next(s for s in P.plan(cfg, tmp_path, NAMES, done, True) if s.name == "eval")
+    assert (eval_step.action, eval_step.record["code"]) == ("redo", CODE_B)
+    adopted = P.plan(cfg, tmp_path / "old", NAMES, dict.fromkeys(NAMES, True), True, rerun_from="eval")
+    assert adopted[0].action == "adopt" and adopted[0].record["code"] is None  # made by code nobody recorded
+
+
+def test_code_identity_is_the_checkouts_commit_and_the_libraries_versions(monkeypatch):
+    import subprocess
+
+    import flax
+    import jax
+    import transformers
+
+    root = P.Path(P.__file__).resolve().parents[2]
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True).stdout.strip()
+    got = P.code_identity()
+    assert got["commit"] == git("rev-parse", "HEAD") and len(got["commit"]) == 40
+    assert got["dirty"] == bool(git("status", "--porcelain", "--untracked-files=no"))
+    assert (got["jax"], got["flax"], got["transformers"]) == (jax.__version__, flax.__version__,
+                                                              transformers.__version__)
+
+    def no_git(*a, **kw):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(P.subprocess, "run", no_git)  # a machine without git: the installed version
+    assert P.code_identity() == {**got, "commit": None, "dirty": None}

@@ -101,6 +101,38 @@ def test_table2_and_table3(results):
     assert "w/o kv label" not in t3 and "fine-tuned" not in t3
 
 
+def test_table2_shows_selective_rags_auroc_under_its_own_labels(results):
+    """Selective RAG chooses between retrieval and no knowledge: its accuracy and AUROC get their
+    own tables ("retrieval > no knowledge"), never a row among SR-RAG's verbalization labels."""
+    results["source_selection"]["selective_rag"] = {
+        "acc_verb_ge_ret": 0.81, "auroc_ret_gt_verb": 0.64,
+        "per_dataset": {"popqa": {"acc_verb_ge_ret": 0.8, "auroc_ret_gt_verb": 0.66},
+                        "arc": {"acc_verb_ge_ret": 0.82, "auroc_ret_gt_verb": 0.62}}}
+    t2 = _section(render_report(results), "Table 2")
+    titles = [line for line in t2.splitlines() if line.startswith(("Accuracy", "AUROC ("))]
+    assert titles == ["Accuracy (verbalization ≥ retrieval)", "Accuracy (no knowledge ≥ retrieval)",
+                      "AUROC (retrieval > verbalization)", "AUROC (retrieval > no knowledge)"]
+    own = t2.split("AUROC (retrieval > no knowledge)")[1]
+    srrags = t2.split("AUROC (retrieval > verbalization)")[1].split("AUROC (retrieval > no knowledge)")[0]
+    assert _cells(own, "Selective RAG") == ["Selective RAG", "0.660", "0.620", "0.640"]
+    assert _cells(own, "Method") == ["Method", "popqa", "arc", "Average"] and "| SR-RAG |" not in own
+    assert "Selective RAG" not in srrags and _cells(srrags, "SR-RAG") == ["SR-RAG", "0.570", "–", "0.570"]
+
+
+def test_report_names_the_code_and_each_stages_commit_when_they_differ(results):
+    code = {"commit": "0123456789abcdef" * 2 + "01234567", "dirty": True, "jaxrag": "0.1.0", "jax": "0.4.38",
+            "flax": "0.10.4", "transformers": "4.51.3"}
+    results["code"] = {**code, "stages": {"base": {**code, "commit": "f" * 40, "dirty": False}, "eval": code}}
+    md = render_report(results)
+    assert ("Code: 0123456789+dirty; jax 0.4.38, flax 0.10.4, transformers 4.51.3. Stages ran across commits: "
+            "base ffffffffff, eval 0123456789+dirty.") in md
+    results["code"] = {**code, "commit": None, "dirty": None, "stages": {"eval": {**code, "commit": None}}}
+    assert "Code: jaxrag 0.1.0 (no git checkout); jax 0.4.38," in render_report(results)
+    assert "Stages ran" not in render_report(results)
+    del results["code"]
+    assert "Code: not recorded (results.json made before runs named their code)." in render_report(results)
+
+
 def test_intervals_comparisons_latency_and_paper(results):
     results["average"]["srrag"]["acc_ci95"] = [0.6211, 0.667]
     results["config"]["data_counts"] = {"nq": {"train": 120, "validation": 36}, "popqa": {"test": 200}}

@@ -77,6 +77,51 @@ def test_one_seed_has_no_t_interval(tmp_path, capsys):
     assert "| 1 / 0 of 1 | +0.040 (no interval from one seed) |" in table and "nan" not in table
 
 
+def _with(run, **fields):
+    """The run's results.json with `fields` set at its top level."""
+    r = json.loads((run / "results.json").read_text())
+    r.update(fields)
+    (run / "results.json").write_text(json.dumps(r))
+    return run
+
+
+def code(commit, dirty=False, **stages):
+    return {"commit": commit, "dirty": dirty, "jaxrag": "0.1.0", "jax": "0.4", "flax": "0.10", "transformers": "4",
+            "stages": {s: {"commit": c, "dirty": False} for s, c in stages.items()}}
+
+
+def test_runs_of_different_code_are_refused_unless_allowed_and_then_labelled(tmp_path, capsys):
+    a1, a2 = "a1" * 20, "a2" * 20
+    a = _with(write_run(tmp_path / "a", 0, {"selective_rag": 0.1}, 0.0), code=code(a1, base=a1, stage1=a1))
+    b = _with(write_run(tmp_path / "b", 1, {"selective_rag": 0.1}, 0.0), code=code(a1, base=a1, stage1=a1))
+    assert main([str(a), str(b)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"code: {a1[:10]} (every run)"
+    # c's stage 1 ran at another commit: the same commit at eval is not the same code
+    c = _with(write_run(tmp_path / "c", 7, {"selective_rag": 0.1}, 0.0), code=code(a1, base=a1, stage1=a2))
+    assert main([str(a), str(c)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: runs of different code: {a}/results.json at {a1[:10]}; {c}/results.json at "
+                   f"{a1[:10]}, {a2[:10]}; pool one commit's runs, or pass --allow-mixed-code"]
+    assert main([str(a), str(c), "--allow-mixed-code", "--json", str(tmp_path / "out.json")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("MIXED CODE (--allow-mixed-code): ") and f"seed 7 at {a1[:10]}, {a2[:10]}" in first
+    assert json.loads((tmp_path / "out.json").read_text())["code"] == {"0": a1[:10], "7": f"{a1[:10]}, {a2[:10]}"}
+    dirty = _with(write_run(tmp_path / "d", 8, {"selective_rag": 0.1}, 0.0), code=code(a1, dirty=True))
+    assert main([str(a), str(dirty)]) == 2 and f"at {a1[:10]}+dirty" in capsys.readouterr().err
+    old = write_run(tmp_path / "old", 9, {"selective_rag": 0.1}, 0.0)  # made before results named code
+    assert main([str(a), str(old)]) == 2 and "old/results.json at not recorded" in capsys.readouterr().err
+
+
+def test_a_run_whose_base_failed_the_reading_gate_is_refused(tmp_path, capsys):
+    a = _with(write_run(tmp_path / "a", 0, {"selective_rag": 0.1}, 0.0),
+              base={"reading_gate_passed": True, "fresh_reading": 0.9})
+    b = _with(write_run(tmp_path / "b", 1, {"selective_rag": 0.1}, 0.0),
+              base={"reading_gate_passed": False, "fresh_reading": 0.45})
+    assert main([str(a), str(b), "--allow-mixed-code"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{b}/results.json: its base failed the reading gate (reads 0.45" in err[0]
+
+
 def test_runs_of_different_recipes_are_refused(tmp_path, capsys):
     a = write_run(tmp_path / "a", 0, {"selective_rag": 0.1}, 0.0)
     b = write_run(tmp_path / "b", 1, {"selective_rag": 0.1}, 0.0, tau=0.3)
@@ -111,7 +156,8 @@ def test_kept_runs_are_the_current_tiny_recipe(folder, since, capsys):
 
     runs = sorted((KEPT / folder).glob("seed*"))
     assert runs and main([*map(str, runs)]) == 0
-    assert "SR-RAG - w/o kNN (AUROC)" in capsys.readouterr().out
+    out = capsys.readouterr().out  # made before results named their code: the folder's README does
+    assert "SR-RAG - w/o kNN (AUROC)" in out and out.startswith("code: not recorded (every run)")
     want = recipe(get_config_for("qwen2", "tiny").to_dict())
     want.update(since)
     for run in runs:

@@ -126,20 +126,33 @@ def table1(results: dict) -> str:
     return _table(header, rows)
 
 
+# The path each method's source selection is judged against (the model's other source): every
+# SR-RAG-model method chooses between retrieval and verbalization; Selective RAG's model has no
+# <Self> source, so its labels are "retrieval vs no knowledge", another label set than SR-RAG's.
+OTHER_PATH = {"selective_rag": "no knowledge"}
+VERBALIZATION = "verbalization"
+
+
 def table2(results: dict) -> str:
     """Source selection per dataset and averaged (paper Table 2): ACC counts a decision as right
-    when it does not harm (verbalize iff verb. >= ret., retrieve iff ret. >= verb.; ties right
-    either way); AUROC ranks the method's score against "retrieval strictly better"."""
+    when it does not harm (keep the other path iff other >= ret., retrieve iff ret. >= other; ties
+    right either way); AUROC ranks the method's score against "retrieval strictly better". The
+    other path is the method's own (`OTHER_PATH`), so each label set gets its own table: Selective
+    RAG's AUROC ranks other labels than SR-RAG's and is never shown in SR-RAG's column."""
     sel = {m: e for m, e in (results.get("source_selection") or {}).items() if e}
     if not sel:
         return ""
     names = list(dict.fromkeys(n for e in sel.values() for n in (e.get("per_dataset") or {})))
+    by_labels: dict[str, list[str]] = {}
+    for m in method_order(sel):
+        by_labels.setdefault(OTHER_PATH.get(m, VERBALIZATION), []).append(m)
     out = []
-    for key, title in (("acc_verb_ge_ret", "Accuracy (verbalization ≥ retrieval)"),
-                       ("auroc_ret_gt_verb", "AUROC (retrieval > verbalization)")):
-        rows = [[display_name(m)] + [fmt_acc(((e.get("per_dataset") or {}).get(n) or {}).get(key)) for n in names]
-                + [fmt_acc(e.get(key))] for m, e in ((m, sel[m]) for m in method_order(sel))]
-        out.append(f"{title}\n\n" + _table(["Method", *names, "Average"], rows))
+    for key, title in (("acc_verb_ge_ret", "Accuracy ({other} ≥ retrieval)"),
+                       ("auroc_ret_gt_verb", "AUROC (retrieval > {other})")):
+        for other in sorted(by_labels, key=lambda o: o != VERBALIZATION):
+            rows = [[display_name(m)] + [fmt_acc(((sel[m].get("per_dataset") or {}).get(n) or {}).get(key))
+                                         for n in names] + [fmt_acc(sel[m].get(key))] for m in by_labels[other]]
+            out.append(f"{title.format(other=other)}\n\n" + _table(["Method", *names, "Average"], rows))
     left = {m: e["auroc_left_out"] for m, e in sel.items() if e.get("auroc_left_out")}
     if left:
         out.append("AUROC averages leave out datasets where one class is absent: "
@@ -243,6 +256,31 @@ def data_table(results: dict) -> str:
     return _table(["Dataset", "train", "validation", "test"], rows) if rows else ""
 
 
+def code_name(code: dict | None) -> str:
+    """One code record (`results.json`'s `code`, a workdir's `W/inputs/<stage>.json`) in a few
+    characters: the short commit, "+dirty" when tracked files differed from it, else the installed
+    version; "unknown" for a stage made before records named their code."""
+    if not code:
+        return "unknown"
+    if code.get("commit"):
+        return code["commit"][:10] + ("+dirty" if code.get("dirty") else "")
+    return f"jaxrag {code.get('jaxrag') or '?'} (no git checkout)"
+
+
+def code_text(results: dict) -> str:
+    """The code the run ran: eval's commit and library versions, and each stage's commit when any
+    differs from eval's (a workdir whose stages ran across commits)."""
+    code = results.get("code")
+    if not code:
+        return "Code: not recorded (results.json made before runs named their code).\n"
+    text = (f"Code: {code_name(code)}; jax {code.get('jax')}, flax {code.get('flax')}, "
+            f"transformers {code.get('transformers')}.")
+    stages = code.get("stages") or {}
+    if any(code_name(c) != code_name(code) for c in stages.values()):
+        text += " Stages ran across commits: " + ", ".join(f"{s} {code_name(c)}" for s, c in stages.items()) + "."
+    return text + "\n"
+
+
 def protocol_text(results: dict) -> str:
     config = results.get("config") or {}
     th = config.get("thresholds") or {}
@@ -314,6 +352,7 @@ def render_report(results: dict, images: Sequence[str] = ()) -> str:
     if number(sr.get("acc")) is not None and number(ar.get("acc")) is not None:
         out.append(f"SR-RAG: average ACC {fmt_acc(sr['acc'])} at {fmt_pct(sr.get('rag_frac'))} RAG, "
                    f"against {fmt_acc(ar['acc'])} for the same fine-tuned model always retrieving.\n")
+    out.append(code_text(results))
     if text := protocol_text(results):
         out.append(text)
     sections = [

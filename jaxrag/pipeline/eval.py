@@ -25,6 +25,7 @@ from jaxrag.eval.methods import CONSTANT, METHODS, PAPER_VERSION, POST_HOC, Eval
 from jaxrag.eval.plots import write_report
 from jaxrag.eval.selectors import SEAKR_FIT_QUESTIONS, SeedSelectors, knows
 from jaxrag.models.tokens import SELF, WIKI
+from jaxrag.pipeline import provenance
 from jaxrag.pipeline.finetune import training_record
 from jaxrag.pipeline.workdir import construct_records, dataset_items, eval_items, load, retriever, route_config
 from jaxrag.policies import ccsk as ccsk_mod
@@ -103,11 +104,23 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
                             "n_latency": len(idx), "data_counts": data_counts(test, val, ev.selectors.train_items),
                             "latency_questions": latency_questions(test, idx, bs),
                             "training": training_record(cfg, workdir)}
+    ev.results["code"] = code_record(workdir)
+    base_metrics = workdir / "base" / "metrics.json"  # the embedded base's probe and gates
+    if base_metrics.is_file():
+        ev.results["base"] = json.loads(base_metrics.read_text())
     stats_file = workdir / "construct" / "stats.json"
     if stats_file.is_file():
         s = json.loads(stats_file.read_text())
         ev.results["construct"] = {"table": stats_markdown(s), "datasets": s.get("datasets", {})}
     return write_results(ev.results, workdir)
+
+
+def code_record(workdir: Path) -> dict:
+    """results.json's `code`: the code writing the results (commit, dirty tree, versions) and, per
+    stage the results read, the code that built it (`W/inputs/<stage>.json`)."""
+    read = (*provenance.STAGES["eval"].upstream, "eval")
+    return {**provenance.code_identity(),
+            "stages": {s: c for s, c in provenance.stages_code(workdir).items() if s in read}}
 
 
 # W/eval_parts/<unit>.pkl: the evaluation's state after each model's methods (the untuned model,

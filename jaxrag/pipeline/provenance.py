@@ -16,6 +16,13 @@ counter, so a stage rebuilt from its upstream's new build is stale too, even at 
 - a finished stage without a record (a workdir made before records existed) is unknown and
   refused the same way, unless `rerun_from` names a later stage: the earlier ones are then
   trusted (the user vouches for them) and recorded with the current config.
+
+Each record also names the code that built the stage (`code_identity`: the git commit and
+whether the tree was dirty, or the installed jaxrag version, plus the jax, flax and transformers
+versions). It is recorded, never compared: a commit changes most files that cannot change a
+stage's result (docs, tests, other stages), so keying on it would redo every stage after every
+commit. `eval` copies each stage's code into `results.json`, and `python -m jaxrag.eval.seeds`
+refuses to pool runs whose code differs.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import hashlib
+import importlib.metadata
 import json
 import os
+import subprocess
 from pathlib import Path
 
 from ml_collections import ConfigDict
@@ -36,9 +45,10 @@ INPUTS_DIR = "inputs"  # W/inputs/<stage>.json
 AUTO_REDO = ("eval", "export")  # cheap, and read no training field of their own: redone when stale
 
 # Fields that cannot change a result: progress, logging, checkpoint cadence, the run's own
-# control, how a batch is split over devices, rematerialisation and the mesh shape.
+# control (whether a base below the reading gate stops the run included: the base is the same
+# either way), how a batch is split over devices, rematerialisation and the mesh shape.
 NEUTRAL = ("pipeline", "mesh", "model.remat", "*.per_device_batch_size", "*.checkpoint_every",
-           "*.keep_checkpoints", "*.log_every", "*.progress")
+           "*.keep_checkpoints", "*.log_every", "*.progress", "world_probe.allow_failed_reading_gate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +94,41 @@ STAGES: dict[str, Dep] = {
 }
 
 
+def code_identity() -> dict:
+    """The code running now: `commit` of the git checkout jaxrag runs from and `dirty` (a tracked
+    file differs from it), both None when jaxrag is an installed package outside a checkout; the
+    installed `jaxrag` version; and the `jax`, `flax` and `transformers` versions."""
+    root = Path(__file__).resolve().parents[2]
+    commit = dirty = None
+    try:
+        top = _git(root, "rev-parse", "--show-toplevel")
+        if top is not None and Path(top).resolve() == root:  # not a checkout that merely holds a venv
+            commit = _git(root, "rev-parse", "HEAD")
+            status = _git(root, "status", "--porcelain", "--untracked-files=no")
+            dirty = None if commit is None or status is None else bool(status)
+    except OSError:  # no git on this machine
+        pass
+    return {"commit": commit, "dirty": dirty, **{name: _version(name) for name in ("jaxrag", "jax", "flax", "transformers")}}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # jaxrag imported from a source tree never installed
+        return None
+
+
+def _git(root: Path, *args: str) -> str | None:
+    out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def stages_code(workdir: Path) -> dict:
+    """{stage: the code that built it} from the workdir's records (None: a stage adopted by
+    `rerun_from`, made before records named their code)."""
+    return {name: rec.get("code") for name in STAGES if (rec := read_record(workdir, name)) is not None}
+
+
 def is_neutral(field: str) -> bool:
     return any(fnmatch.fnmatchcase(field, p) or fnmatch.fnmatchcase(field, p + ".*") if "*" in p else under(field, p)
                for p in NEUTRAL)
@@ -109,9 +154,9 @@ def _build_id(inputs: dict, upstream: dict, generation: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def new_record(name: str, inputs: dict, upstream: dict, generation: int) -> dict:
+def new_record(name: str, inputs: dict, upstream: dict, generation: int, code: dict | None) -> dict:
     return {"stage": name, "build": _build_id(inputs, upstream, generation), "generation": generation,
-            "upstream": upstream, "inputs": inputs}
+            "upstream": upstream, "inputs": inputs, "code": code}
 
 
 def record_path(workdir: Path, name: str) -> Path:
@@ -168,6 +213,7 @@ def plan(cfg: ConfigDict, workdir: Path, names: list[str], done: dict[str, bool]
         raise JaxragError(f"--config.pipeline.rerun_from={rerun_from!r}: not a stage of this run; stages: "
                           f"{', '.join(names)}")
     redo_at = names.index(rerun_from) if rerun_from else len(names)
+    code = code_identity()
     builds, steps, stale = {}, [], None
     for i, name in enumerate(names):
         inputs = stage_inputs(name, cfg, embedded)
@@ -175,22 +221,25 @@ def plan(cfg: ConfigDict, workdir: Path, names: list[str], done: dict[str, bool]
         old = read_record(workdir, name)
         generation = old["generation"] + 1 if old else 0
         if i >= redo_at:
-            step = Step(name, "redo", new_record(name, inputs, upstream, generation), ["rerun_from"])
+            step = Step(name, "redo", new_record(name, inputs, upstream, generation, code), ["rerun_from"])
         elif old is None:
             if not done[name]:
-                step = Step(name, "redo", new_record(name, inputs, upstream, 0))  # partial leftovers are unknown
+                step = Step(name, "redo", new_record(name, inputs, upstream, 0, code))  # partial leftovers are unknown
             elif rerun_from:
-                step = Step(name, "adopt", new_record(name, inputs, upstream, 0))
+                step = Step(name, "adopt", new_record(name, inputs, upstream, 0, None))  # made by unknown code
             else:
                 raise JaxragError(f"{workdir}: {name} was made before jaxrag recorded each stage's inputs (no "
                                   f"{record_path(workdir, name)}), so the config it was built from is unknown; "
                                   f"{_how_to_go_on(workdir, name)} (earlier stages are then trusted as built "
                                   "from this config)")
         elif why := differences(old, inputs, upstream):
-            step = Step(name, "redo", new_record(name, inputs, upstream, generation), why)
+            step = Step(name, "redo", new_record(name, inputs, upstream, generation, code), why)
             stale = stale or step
-        else:
-            step = Step(name, "skip" if done[name] else "run", old)
+        elif done[name]:
+            step = Step(name, "skip", old)
+        else:  # resumed by the code running now; the code it started under is kept beside it
+            started = old.get("code_started", old.get("code"))
+            step = Step(name, "run", {**old, "code": code, **({"code_started": started} if started != code else {})})
         builds[name] = step.record["build"]
         steps.append(step)
     if stale and stale.name not in AUTO_REDO:

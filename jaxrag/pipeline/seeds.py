@@ -1,9 +1,14 @@
 """The paper's claims over world seeds: one recipe, several finished workdirs.
 
-    python -m jaxrag.eval.seeds W [W ...] [--json OUT]
+    python -m jaxrag.eval.seeds W [W ...] [--json OUT] [--allow-mixed-code]
 
 Each W is a finished workdir or a `results.json` itself (the kept runs are in
 `results/embedded/`, so its pooled tables can be recomputed without the workdirs).
+
+The runs must be of one code as well as one config: each `results.json` names the commit every
+stage ran at (`code`), and runs whose stages ran at different commits are refused unless
+`--allow-mixed-code` is given (the table then says so). Runs made before results named their code
+pool with a note that it is not recorded. A run whose base failed its reading gate is refused.
 
 One pipeline's bootstrap intervals resample its test questions, not its training, and retraining
 moves the numbers by more than those intervals. So a claim is judged over world seeds of one
@@ -24,7 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxrag.errors import JaxragError, exit_code
+from jaxrag.eval.report import code_name
 from jaxrag.pipeline.config_check import flatten, under
+from jaxrag.pipeline.provenance import is_neutral
 
 # (label, results.json section, key): the paper's claims first, then the ablations.
 CLAIMS = (
@@ -42,13 +49,15 @@ PER_SEED = ("seed", "world.seed", "data_counts", "n_validation", "n_test", "n_la
 
 
 def recipe(config: dict) -> dict:
-    """A run's config without the fields that may differ between seeds of one recipe (flattened)."""
-    return {k: v for k, v in flatten(config).items() if not any(under(k, p) for p in PER_SEED)}
+    """A run's config without the fields that may differ between seeds of one recipe, nor those
+    that cannot change a result (`provenance.NEUTRAL`), flattened."""
+    return {k: v for k, v in flatten(config).items() if not any(under(k, p) for p in PER_SEED) and not is_neutral(k)}
 
 
-def load(workdirs: list[Path]) -> dict[str, dict]:
+def load(workdirs: list[Path], allow_mixed_code: bool = False) -> dict[str, dict]:
     """results.json path -> its content, for workdirs or results.json files; refuses runs whose
-    configs differ beyond the seed."""
+    configs differ beyond the seed, runs of different code (unless `allow_mixed_code`) and runs
+    whose base failed its reading gate."""
     results = {}
     for w in map(Path, workdirs):
         path = w if w.suffix == ".json" else w / "results.json"
@@ -68,7 +77,29 @@ def load(workdirs: list[Path]) -> dict[str, dict]:
         if diff:
             raise JaxragError(f"{w}: config differs from {first} beyond the seed in "
                               f"{', '.join(diff[:5])}{' ...' if len(diff) > 5 else ''}; compare seeds of one recipe")
+    for w, r in results.items():
+        base = r.get("base") or {}
+        if base.get("reading_gate_passed") is False:
+            gate = (r["config"].get("world_probe") or {}).get("reading_gate")
+            raise JaxragError(f"{w}: its base failed the reading gate (reads {base.get('fresh_reading')} of fresh-entity "
+                              f"questions{'' if gate is None else f', gate {gate}'}); a run on a base that cannot read "
+                              "passages is not a seed of the recipe")
+    codes = {w: run_code(r) for w, r in results.items()}
+    if len(set(codes.values())) > 1 and not allow_mixed_code:
+        raise JaxragError("runs of different code: " + "; ".join(f"{w} at {c}" for w, c in codes.items())
+                          + "; pool one commit's runs, or pass --allow-mixed-code")
     return results
+
+
+def run_code(results: dict) -> str:
+    """The commits a run's stages ran at, in stage order ("abc1234", "abc1234+dirty", or
+    "abc1234, def5678" for a run whose stages ran across commits; "not recorded" for a run made
+    before results.json named its code)."""
+    code = results.get("code")
+    if not code:
+        return "not recorded"
+    names = [code_name(c) for c in (*(code.get("stages") or {}).values(), code)]
+    return ", ".join(dict.fromkeys(names))
 
 
 def t_interval(values: list[float]) -> list[float] | None:
@@ -98,7 +129,8 @@ def summarize(results: dict[str, dict]) -> dict:
             "below_noise": sum(c["ci95"][1] < 0 for _, c in rows),
             "mean": float(np.mean(diffs)), "t95": t_interval(diffs), "seeds": len(rows)}
     srrag = {str(seeds[w]): r["average"]["srrag"] for w, r in results.items()}
-    return {"seeds": [seeds[w] for w in results], "claims": claims,
+    return {"seeds": [seeds[w] for w in results], "code": {str(seeds[w]): run_code(r) for w, r in results.items()},
+            "claims": claims,
             "srrag_retrieval_at_most_80": sum(a["rag_frac"] <= 0.8 for a in srrag.values()),
             "srrag": {s: {"acc": a["acc"], "rag_frac": a["rag_frac"]} for s, a in srrag.items()},
             "methods": methods(results)}
@@ -125,9 +157,19 @@ def _signed(x: float) -> str:
     return f"{x:+.3f}".replace("-", "−")
 
 
+def code_line(summary: dict) -> str:
+    """One line: the code every run ran at, or each seed's when they differ (`--allow-mixed-code`)."""
+    codes = summary["code"]
+    if len(set(codes.values())) == 1:
+        return f"code: {next(iter(codes.values()))} (every run)"
+    return ("MIXED CODE (--allow-mixed-code): " + "; ".join(f"seed {s} at {c}" for s, c in codes.items())
+            + "; differences may be the code's, not the seeds'")
+
+
 def table(summary: dict) -> str:
     n = len(summary["seeds"])
-    lines = [f"{n} seeds: {', '.join(map(str, summary['seeds']))}; SR-RAG retrieves at most 80% on "
+    lines = [code_line(summary),
+             f"{n} seeds: {', '.join(map(str, summary['seeds']))}; SR-RAG retrieves at most 80% on "
              f"{summary['srrag_retrieval_at_most_80']} of {n}",
              "| claim | " + " | ".join(f"seed {s}" for s in summary["seeds"])
              + " | above / below noise | mean over seeds [95% t] |",
@@ -165,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("workdirs", nargs="+", type=Path,
                    help="finished workdirs (or their results.json) of one config, one per world seed")
     p.add_argument("--json", type=Path, help="also write the summary here")
+    p.add_argument("--allow-mixed-code", action="store_true",
+                   help="pool runs whose stages ran at different commits (the table says so)")
     args = p.parse_args(argv)
 
     def run():
-        summary = summarize(load(args.workdirs))
+        summary = summarize(load(args.workdirs, args.allow_mixed_code))
         print(table(summary))
         if args.json:
             tmp = args.json.with_name(args.json.name + ".tmp")
