@@ -190,7 +190,7 @@ def test_triviaqa_test_set_is_the_unfiltered_validation_split(tmp_path, hub):
     cfg.data.paths.triviaqa = ""  # from the hub
     [(name, ex)] = dataset_items(cfg, tmp_path, ["triviaqa"], "test")
     assert hub == [("mandarjoshi/trivia_qa", "unfiltered.nocontext", "validation")]
-    assert (name, ex.golden_answers) == ("triviaqa", ("Mars",))
+    assert (name, ex.golden_answers) == ("triviaqa", ("Mars", "mars"))
     check_data(cfg)  # the preflight reads the same split (and the loaded examples: no second call)
     assert hub == [("mandarjoshi/trivia_qa", "unfiltered.nocontext", "validation")]
 

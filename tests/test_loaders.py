@@ -56,12 +56,12 @@ def test_triviaqa_hf_answer_dict_and_selfrag_jsonl(tmp_path):
                      "normalized_value": "mars", "matched_wiki_entity_name": "",
                      "normalized_matched_wiki_entity_name": ""}}
     [ex] = load_dataset_examples("triviaqa", parquet(tmp_path / "tqa.parquet", [hf]))
-    assert (ex.id, ex.question, ex.golden_answers) == (
-        "tc_1", "Which planet is red?", ("Mars", "Planet Mars"))
+    assert (ex.id, ex.question, ex.golden_answers) == (  # and the normalized aliases
+        "tc_1", "Which planet is red?", ("Mars", "Planet Mars", "mars", "planet mars"))
     path = jsonl(tmp_path / "triviaqa_test_w_gs.jsonl",
                  [{"question": "Who wrote Emma?", "answers": ["Jane Austen", "Austen"]}])
-    [ex] = load_dataset_examples("triviaqa", path)
-    assert (ex.id, ex.golden_answers) == ("triviaqa-1", ("Jane Austen", "Austen"))
+    [ex] = load_dataset_examples("triviaqa", path)  # TriviaQA's normalization where none is given
+    assert (ex.id, ex.golden_answers) == ("triviaqa-1", ("Jane Austen", "Austen", "jane austen", "austen"))
 
 
 HEALTH_FACT = [  # HF health_fact: label 0 false, 1 mixture, 2 true, 3 unproven
@@ -203,7 +203,7 @@ def test_flashrag_rows_pass_through_for_any_name(tmp_path):
     ])
     [ex] = load_dataset_examples("arc_challenge", path)
     assert (ex.golden_answers, ex.choices) == (("a brick",), ("a feather", "a brick"))
-    assert dict(ex.metadata) == {"src": "arc", "answer_key": "B"}
+    assert dict(ex.metadata) == {"src": "arc", "answer_key": "B", "choice_labels": ["A", "B"]}
     path = jsonl(tmp_path / "pop.jsonl", [{"id": "1", "question": "Q?", "golden_answers": ["a"],
                                           "choices": [], "output": {}}])
     [ex] = load_dataset_examples("popqa", path)
@@ -248,8 +248,8 @@ def test_row_errors_name_file_row_and_field(tmp_path):
     path = parquet(tmp_path / "arc.parquet", [ARC_HF[1], bad_key])
     assert error("arc_challenge", path).startswith(f"{path}:2: field 'answerKey': 'E' is not")
 
-    path = jsonl(tmp_path / "h.jsonl", [{"claim": "c", "label": "maybe"}])
-    assert error("pubhealth", path).startswith(f"{path}:1: field 'label': unknown label 'maybe'")
+    path = jsonl(tmp_path / "fever.jsonl", [{"id": "1", "input": "c", "output": [{"answer": "MAYBE"}]}])
+    assert error("fever", path).startswith(f"{path}:1: field 'output': unknown label 'MAYBE'")
 
     path = jsonl(tmp_path / "asqa.jsonl", [{"ambiguous_question": "q", "annotations": []}])
     assert error("asqa", path).startswith(f"{path}:1: field 'annotations': missing")
@@ -290,7 +290,7 @@ BAD_ROWS = [  # (dataset, writer, file name, good row, bad row, the error after 
     ("pubhealth", parquet, "h.parquet", HEALTH_FACT[0], {**HEALTH_FACT[2], "claim": " "},
      "field 'claim': missing or empty (nor 'question', 'input')"),
     ("pubhealth", tsv, "h.tsv", {"claim_id": 1, "claim": "c", "label": "true"},
-     {"claim_id": 2, "claim": "d", "label": ""}, "field 'label': missing or empty"),
+     {"claim_id": 2, "claim": " ", "label": "false"}, "field 'claim': missing or empty (nor 'question', 'input')"),
     ("pubhealth", jsonl, "health_claims_processed.jsonl", {"question": "c", "answers": ["true"]},
      {"question": "d", "answers": ["<unk>"]}, "field 'answers': <unk>"),
     ("arc_challenge", parquet, "arc.parquet", ARC_HF[0],
