@@ -25,7 +25,8 @@ def mini_config():
     cfg.model.datastore_layer = 2  # its last layer, as the tiny config's
     cfg.model.max_length = 160
     cfg.pretrain.update(steps=3, batch_size=4, checkpoint_every=2)
-    cfg.world_probe.update(questions=3, reading_questions=4, rule_questions=4)  # a 3-step model fails: 2 attempts
+    # a 3-step model fails the gates: 2 attempts, then it runs on (a failed reading gate would stop it)
+    cfg.world_probe.update(questions=3, reading_questions=4, rule_questions=4, allow_failed_reading_gate=True)
     cfg.retrieval.n_passages = 2
     cfg.construct.update(n_contexts=2, verbalize_max_tokens=8, kmeans_clusters=2, demos_per_cluster=1)
     cfg.stage1.update(batch_size=4, epochs=1)

@@ -11,6 +11,7 @@ import transformers
 from flax import nnx
 from ml_collections import ConfigDict
 
+from jaxrag.errors import JaxragError
 from jaxrag.models import hf
 from jaxrag.models.decoder import Decoder
 from jaxrag.models.model import Model, add_special_tokens, load_model, save_model
@@ -41,6 +42,7 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
         return save_model(model, out)
     world = generated_world(cfg)
     model, gates = pretrain_until_it_reads_and_verbalizes(cfg, workdir, world)
+    stop_unless_it_reads(cfg, gates)
     metrics = probe_world_knowledge(model, world, int(cfg.world_probe.questions),
                                     int(cfg.construct.verbalize_max_tokens))
     metrics.update(gates)
@@ -48,6 +50,20 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print("  what the base model knows:", json.dumps(metrics))
     return out
+
+
+def stop_unless_it_reads(cfg: ConfigDict, gates: dict) -> None:
+    """A base that fails the reading gate after the last attempt stops the run before `W/base`
+    exists (the attempts stay in `W/base_train`, so a rerun with the override trains nothing
+    again): every later stage would measure a model that cannot read what retrieval hands it."""
+    probe = cfg.world_probe
+    if gates["reading_gate_passed"] or probe.allow_failed_reading_gate:
+        return
+    raise JaxragError(f"base: the reading gate failed: the kept base (attempt {gates['kept_attempt'] + 1} of "
+                      f"{len(gates['reading_attempts'])}) reads {gates['fresh_reading']:.2f} of fresh-entity questions "
+                      f"with retrieved passages, threshold {float(probe.reading_gate):.2f} "
+                      "(--config.world_probe.reading_gate); --config.world_probe.allow_failed_reading_gate=True runs on "
+                      "with it (then python -m jaxrag.eval.seeds refuses the run)")
 
 
 def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world) -> tuple[object, dict]:
@@ -64,7 +80,8 @@ def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world
       a quarter of fresh rule questions (other bases: 0.975-1.0), naming other categories' rules,
       so its <Self> path falls to chance on ARC-Challenge.
     A base that fails either is pretrained again from another initialisation and data order, up
-    to `world_probe.attempts` runs in all; the one with the largest margin over both gates is kept."""
+    to `world_probe.attempts` runs in all; the one with the largest margin over both gates is kept
+    (and `stop_unless_it_reads` stops the run when it still fails the reading gate)."""
     probe = cfg.world_probe
     gates = {"reading": float(probe.reading_gate), "verbalization": float(probe.verbal_gate)}
     best, best_margin, scores = None, None, []

@@ -253,6 +253,10 @@ def tiny_config(family: str) -> ConfigDict:
         rule_questions=200,  # fresh rule questions of the verbalization gate
         verbal_gate=0.8,  # share whose GenRead documents must state the rule
         attempts=2,  # pretraining runs at most
+        # A base below the reading gate after the last attempt stops the run (exit 2, one line);
+        # True keeps the best attempt and runs on, recorded as reading_gate_passed: false in
+        # results.json, and `python -m jaxrag.eval.seeds` refuses such a run.
+        allow_failed_reading_gate=False,
     ))
     # The base model's whole education: 1400 steps x 8 x 256 = 2.9M tokens of world text, ~9 min
     # on a 2-core CPU; the fewest steps after which development bases read passages (reading
