@@ -159,15 +159,16 @@ def figure4(model: Model, items: Sequence[Item], validation_score: np.ndarray, n
     """Figure 4: SR-RAG routed for real on `items` at `points` thresholds, set at quantiles of its
     score on the validation questions (`validation_score`: never a test question) so that
     0, 1/(points-1), ..., 1 of the validation questions are verbalized; each point reports the
-    proportion the test questions actually verbalized (an illustration of the trade-off, not an
-    operating point)."""
+    share of the validation questions its threshold verbalizes (tied scores fall on one side of a
+    threshold together, so it can differ from the asked share) and the proportion the test questions
+    actually verbalized (an illustration of the trade-off, not an operating point)."""
     curve = []
     for frac in np.linspace(0.0, 1.0, points):
         t = figure4_threshold(validation_score, frac)
         routed = route_items(model, items, srrag_policy(neighbours, t), retrieve, cfg, batch_size,
                              f"figure 4 [{frac:.0%} of validation verbalized]")
         s = summarize(items, routed)
-        curve.append({"threshold": t, "verbalized_frac_validation": float(frac),
+        curve.append({"threshold": t, "verbalized_frac_validation": float(np.mean(np.asarray(validation_score) <= t)),
                       "verbalized_frac": 1.0 - s["rag_frac"], "rag_frac": s["rag_frac"],
                       "acc": s["acc"], "latency_s": s["latency_s"], "phases": s["phases"]})
     return curve
