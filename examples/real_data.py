@@ -19,7 +19,8 @@ and swaps come from any paragraph's facts.
 - popqa (PopQA test.tsv columns): creator author/director/composer and capital facts with
   PopQA's templates ("Who is the author of X?", "What is the capital of Y?").
 - triviaqa (HF trivia_qa rows): definition -> "What is the name of the <description>?" (plural:
-  "What are <description> called?"), answer the term (aliases: the title when in the text).
+  "What are <description> called?"), answer the term (aliases: the title when in the text;
+  normalized as TriviaQA normalizes).
 - pubhealth (PUBHEALTH TSV): noun phrase -> claim "<Term> is|are <NP>." label true; half the claims
   swap in the NP of another paragraph with a different head word -> false.
 - arc_challenge (ARC JSONL): definition -> "Which of these is <description>?"; the term plus
@@ -40,8 +41,11 @@ and swaps come from any paragraph's facts.
   ambiguous "What is the name of the <head word>?", qa_pairs = each one's triviaqa question and
   term, long answer "<Term1> is <description1>, while <term2> is <description2>."
 Multiple-choice answers sit at a seeded position among labels A-D; claims alternate true/false
-in the seed-shuffled order. `provenance.json` gives, per dataset and file row, the corpus
-passage id(s) holding the answer.
+in the seed-shuffled order. No question, claim or stem is asked twice in any of the ten files
+(compared normalized: case, punctuation and articles aside): a row repeating an earlier one,
+from another paragraph, is dropped (PopQA's "capital of the Central African Republic" is read
+off both the country's and the city's paragraph; ASQA asks each head word once).
+`provenance.json` gives, per dataset and file row, the corpus passage id(s) holding the answer.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ import re
 import sys
 from pathlib import Path
 
+from jaxrag.data.formats import triviaqa_normalize
+from jaxrag.eval.metrics import normalize_answer
 from real_corpus import DATA, PACKAGE, Corpus, load_paragraphs
 from real_data_facts import head, leaks, paragraph_facts, sentences  # noqa: F401 (sentences: API)
 
@@ -128,9 +134,10 @@ def triviaqa(f, ctx, k):
         return None
     name = re.sub(r"\s*\(.*\)$", "", f["title"])
     aliases = [f["term"]] + ([name] if name != f["term"] and name.lower() in f["text"].lower() else [])
-    answer = {"value": f["term"], "aliases": aliases, "normalized_value": f["term"].lower(),
-              "normalized_aliases": [a.lower() for a in aliases], "type": "WikipediaEntity",
-              "matched_wiki_entity_name": f["title"]}
+    answer = {"value": f["term"], "aliases": aliases,
+              "normalized_value": triviaqa_normalize(f["term"]),
+              "normalized_aliases": [triviaqa_normalize(a) for a in aliases],
+              "type": "WikipediaEntity", "matched_wiki_entity_name": f["title"]}
     return {"question": q, "question_source": "wikipedia", "answer": answer}, f["span"], aliases
 
 
@@ -257,19 +264,28 @@ def dataset_rules() -> dict[str, str]:
             re.finditer(r"^- (\w+) (\(.*?)(?=^- |^Multiple)", part, re.M | re.S)}
 
 
-def build(paragraphs: list[tuple[str, str]], per_dataset: int, seed: int):
-    """(corpus, {dataset: [(row, passage ids)]}, dropped counts)."""
-    from jaxrag.eval.metrics import normalize_answer
+def question_texts(name: str, row: dict) -> list[str]:
+    """What a row asks: its question, claim or stem (ASQA: the ambiguous question and each
+    disambiguation)."""
+    if name == "asqa":
+        return [row["ambiguous_question"], *(p["question"] for p in row["qa_pairs"])]
+    if name in ("pubhealth", "fever"):
+        return [row["claim"]]
+    question = row["question"]
+    return [question["stem"] if isinstance(question, dict) else question]
 
+
+def build(paragraphs: list[tuple[str, str]], per_dataset: int, seed: int):
+    """(corpus, {dataset: [(row, passage ids)]}, dropped counts, duplicate counts)."""
     corpus = Corpus(paragraphs)
     facts = [paragraph_facts(i, t, text) for i, (t, text) in enumerate(paragraphs)]
-    eval_used, out, dropped = set(), {}, {}
+    eval_used, asked, out, dropped, duplicates = set(), set(), {}, {}, {}
     for name in ORDER:
         train = ORDER.index(name) >= 4
         rng = random.Random(f"{seed}:{name}")
         ctx = {"rng": rng, "facts": facts, "blocked": set(eval_used)}
         order = rng.sample(facts, len(facts))
-        out[name], dropped[name] = [], 0
+        out[name], dropped[name], duplicates[name] = [], 0, 0
         for f in order:
             if len(out[name]) == per_dataset:
                 break
@@ -279,16 +295,21 @@ def build(paragraphs: list[tuple[str, str]], per_dataset: int, seed: int):
             if item is None:
                 continue
             row, span, golds, *partner = item
+            texts = {normalize_answer(q) for q in question_texts(name, row)}
+            if texts & asked:  # the same question from another paragraph ("the Central ...")
+                duplicates[name] += 1
+                continue
             pids = [corpus.passage(f, span)] + [corpus.passage(g, g["span"]) for g in partner]
             if None in pids or not all(any(normalize_answer(a) in normalize_answer(corpus.text(p))
                                            for p in pids) for a in golds):
                 dropped[name] += 1
                 continue
             ctx["blocked"].add(f["index"])
+            asked |= texts
             (eval_used if not train else set()).update([f["index"], *(g["index"] for g in partner)])
             key = ID_KEYS.get(name, "id")
             out[name].append(({key: f"{name}-{len(out[name]) + 1}", **row}, pids))
-    return corpus, out, dropped
+    return corpus, out, dropped, duplicates
 
 
 def _write(path: Path, text: str) -> None:
@@ -311,7 +332,7 @@ def write_real_data(out_dir, paragraphs: int = 300, per_dataset: int = 20, seed:
     `out_dir`; returns the manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    corpus, data, dropped = build(load_paragraphs(paragraphs), per_dataset, seed)
+    corpus, data, dropped, duplicates = build(load_paragraphs(paragraphs), per_dataset, seed)
     empty = [name for name in ORDER if not data[name]]
     if empty:
         raise SystemExit(f"error: --paragraphs {paragraphs}: the rules yield no question for "
@@ -338,7 +359,8 @@ def write_real_data(out_dir, paragraphs: int = 300, per_dataset: int = 20, seed:
         "source": f"{PACKAGE.replace('_', '-')}:{DATA}", "paragraphs": len(corpus.first),
         "passages": len(corpus.rows), "per_dataset": per_dataset, "seed": seed,
         "datasets": {name: {"file": FILES[name], "count": len(data[name]),
-                            "dropped_unanswerable": dropped[name], "rule": rules[name]}
+                            "dropped_unanswerable": dropped[name],
+                            "dropped_duplicate": duplicates[name], "rule": rules[name]}
                      for name in ORDER}}
     _write(out / "manifest.json", json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     return manifest

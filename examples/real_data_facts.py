@@ -3,13 +3,18 @@
 Facts (all from the paragraph's FIRST sentence, "SUBJECT[, aside,] is|are|was|were COMPLEMENT",
 whose SUBJECT names the article's title; `term` = SUBJECT without its article):
 - definition: (term, description), the description = COMPLEMENT up to the first ';' (cut at
-  the last comma before word 25 when longer), starting with a/an/the when singular;
+  the last comma before word 25 when longer, and then ending in a noun as a noun phrase does),
+  starting with a/an/the when singular;
 - noun phrase: COMPLEMENT's article + words up to the first comma, preposition other than "of",
   relative pronoun, conjunction, or, after the first word, a participle or adverb (-ed, -ing, -ly,
-  or a listed irregular one); >= 2 words, not ending in an adjective suffix; its head word is
-  the last before "of" (after "of" for generic words: "a type of song" -> song);
-- creator: "<work noun> [... directed|written|painted|composed] by [role] NAME" -> (term,
-  relation author|director|painter|composer (the verb nearest "by", else the work noun), NAME);
+  or a listed irregular one); >= 3 words, ending in a noun: not in an adjective suffix, a
+  nationality, a number or a listed determiner, quantifier, adverb or suffixless adjective ("the
+  three species of large" is cut before its noun and dropped); its head word is the last before
+  "of" (after "of" for generic words: "a type of song" -> song);
+- creator: "<work noun> [... directed|written|painted|composed] by [the] [Nationality [and
+  Nationality]] [role words] NAME" -> (term, relation author|director|painter|composer (the verb
+  nearest "by", else the work noun), NAME less a leading capitalized -ist role); none
+  when NAME is a nationality ("by Irish playwright and author ...": a modifier, not a name);
 - capital: "... is [the] capital [city] [and ... city] of Y" -> (Y, term); and "Its capital [and
   largest city] is Z" in any sentence -> (title, Z);
 - year: COMPLEMENT starts "a|an YYYY" and has a noun phrase -> (term, YYYY);
@@ -27,14 +32,39 @@ _COPULA = re.compile(r"\s(is|are|was|were)\s")
 _STOP = {"in", "on", "at", "by", "for", "from", "with", "to", "that", "which", "who", "whose",
          "where", "and", "or", "but", "as", "is", "are", "between", "within", "into", "near",
          "among", "about", "over", "under", "across", "along", "around", "than", "such",
-         "known", "called", "found", "made",
-         "worn", "built", "held", "grown", "given", "seen", "written", "taken", "born", "kept"}
+         "known", "called", "found", "made", "through", "without", "during", "after", "before",
+         "since", "until", "against", "via", "throughout", "toward", "towards", "upon", "like",
+         "unlike", "despite", "above", "below", "beyond", "behind", "when", "while", "whereas",
+         "how", "has", "have", "had", "worn", "built", "held", "grown", "given", "seen", "written",
+         "taken", "born", "kept", "fought", "drawn", "driven", "spoken", "told", "paid", "sold",
+         "led", "won", "shown"}
 _ING_NOUNS = {"painting", "building", "clothing", "wedding", "king", "ring", "string", "thing",
               "wing", "spring", "ceiling", "being", "meaning", "writing", "printing", "drawing",
               "engraving", "morning", "evening", "housing", "swimming", "skiing", "boxing"}
 _GENERIC = {"type", "types", "form", "forms", "kind", "style", "member", "part", "genre", "group",
             "collection", "series", "family", "set", "branch", "piece", "work", "class", "variety",
             "field", "system", "range", "body", "one", "example", "method", "term", "way", "use"}
+# Words that cannot end a noun phrase: determiners, quantifiers, numerals, adverbs, and adjectives
+# that no suffix of `_ADJ_SUFFIX` marks. A phrase cut after one has lost its noun ("a group of
+# small, angiosperm, fruit-bearing trees" -> "a group of small").
+_MODIFIERS = set("""
+    a an the this that these those some any many much more most few fewer several all both each
+    every other another such various numerous certain enough own same whole half only
+    one two three four five six seven eight nine ten eleven twelve hundred thousand million
+    billion first second third fourth fifth
+    also often once twice almost not very well still
+    large larger largest small smaller smallest big bigger biggest little long longer longest
+    short tall taller tallest high higher highest low lower lowest old older oldest new young
+    great greater greatest good better best bad worse worst main major minor free full common
+    similar popular prevalent abundant adjacent distant dominant important significant different
+    independent due dead wild green black white red blue yellow cold hot warm dry wet rich poor
+    fine early late modern ancient simple correct wrong compact discrete familiar intermediate
+    invalid predatory widespread worldwide underwater upward halfway woody bushy""".split())
+_ADJ_SUFFIX = re.compile(r"(?:al|ic|ous|ive|ful|less|able|ible|ary|ed|ern|-)$")
+# Nationalities and peoples as adjectives ("American", "Irish", "Japanese"): capitalized words
+# with a demonym's ending, and the common ones without one.
+_NATIONALITY = re.compile(r"(?!Ocean|Vatican)[A-Z][\w-]*(?:ian|ean|can|ese|ish)|French|Dutch|Czech|"
+                          r"Greek|Thai|Swiss|Roman|German|Norman|Arab")
 _LY_NOUNS = {"family", "assembly", "butterfly", "lily", "supply", "monopoly", "ally"}
 _NAME = (r"[A-Z][\w'’.-]*"  # capitalized words, with the particles of names between them
          r"(?:\s(?:(?:de|da|di|del|van|von|der|den|du|la|le|y|bin|ibn)\s)*[A-Z][\w'’.-]*)*")
@@ -43,7 +73,7 @@ _WORKS = {"author": r"novel|novella|poem|epic|play|tragedy|comedy|book|story|sto
           "composer": r"symphony|concerto|oratorio|ballet|opera"}
 _VERBS = {"directed": "director", "written": "author", "painted": "painter", "composed": "composer"}
 _CREATOR = re.compile(rf"\b(?P<noun>{'|'.join(_WORKS.values())})s?\b(?P<mid>(?: [\w-]+){{0,4}}?)"
-                      rf" by (?:(?:the )?(?:[A-Z][\w-]+ )?(?:[a-z]+ ){{1,2}}(?=[A-Z]))?"
+                      rf" by (?:(?:the )?(?:[A-Z][\w-]+ (?:and [A-Z][\w-]+ )?)?(?:[a-z]+ ){{1,4}}(?=[A-Z]))?"
                       rf"(?P<name>{_NAME})")
 _CAPITAL = re.compile(rf"(?:^|\band )the capital(?: city)?(?: and [\w -]+? city)? of "
                       rf"(?P<of>(?:the )?{_NAME})(?=[,.;]|$)")
@@ -91,10 +121,16 @@ def noun_phrase(complement: str) -> str | None:
             break
     while len(out) > 1 and out[-1].lower() in ("of", "the", "a", "an"):
         out.pop()
-    last = out[-1].lower()
-    if len(out) < 3 or re.search(r"(?:al|ic|ous|ive|ful|less|able|ible|ary|ed|ern|-)$", last):
-        return None
-    return " ".join(out)
+    return " ".join(out) if len(out) >= 3 and ends_in_noun(out[-1]) else None
+
+
+def ends_in_noun(word: str) -> bool:
+    """False for a word that cannot end a noun phrase: an adjective suffix, a nationality, a
+    number other than a year ("a genus of 47"), or `_MODIFIERS`; for a hyphenated word, its last
+    part ("second-largest")."""
+    last = word.rstrip(",;.:").rsplit("-", 1)[-1].lower()
+    return not (_ADJ_SUFFIX.search(word.lower()) or _NATIONALITY.fullmatch(word)
+                or re.search(r"\d", word) and not re.fullmatch(r"\d{4}s?", word) or last in _MODIFIERS)
 
 
 def head(np: str) -> str:
@@ -108,10 +144,12 @@ def description(complement: str) -> str | None:
     text = re.sub(r"\s*\([^)]*\)", "", complement.split(";")[0]).rstrip(" .")
     words = text.split()
     if len(words) > 25:
-        cut = " ".join(words[:25]).rfind(",")
+        cut = " ".join(words[:25]).rfind(", ")  # not inside a number
         if cut < 0:
             return None
         text = text[:cut]
+        if not ends_in_noun(text.split()[-1]):  # a cut inside a list of adjectives
+            return None
     return text if len(text.split()) >= 3 else None
 
 
@@ -154,8 +192,9 @@ def paragraph_facts(index: int, title: str, raw: str) -> dict:
         last = ([m["noun"], *mid][-1]).removesuffix("s")  # the work noun right before "by"
         rel = next((_VERBS[w] for w in reversed(mid) if w in _VERBS), None) or next(
             (r for r, pat in _WORKS.items() if re.fullmatch(pat, last)), None)
-        who = m["name"].rstrip(".")
-        if rel and not leaks(term, who):
+        # A capitalized role before the name is not part of it: "French Impressionist Claude Monet".
+        who = re.sub(r"^(?:[A-Z][\w-]* )?[A-Z]\w*ist (?=[A-Z])", "", m["name"].rstrip("."))
+        if rel and not leaks(term, who) and not _NATIONALITY.fullmatch(who):
             facts["creator"] = (rel, who)
     if (m := _CAPITAL.search(complement)) and not leaks(m["of"], term):
         facts["capital"] = (m["of"].rstrip("."), term, span)
