@@ -60,10 +60,11 @@ def stop_unless_it_reads(cfg: ConfigDict, gates: dict) -> None:
     if gates["reading_gate_passed"] or probe.allow_failed_reading_gate:
         return
     raise JaxragError(f"base: the reading gate failed: the kept base (attempt {gates['kept_attempt'] + 1} of "
-                      f"{len(gates['reading_attempts'])}) reads {gates['fresh_reading']:.2f} of fresh-entity questions "
-                      f"with retrieved passages, threshold {float(probe.reading_gate):.2f} "
-                      "(--config.world_probe.reading_gate); --config.world_probe.allow_failed_reading_gate=True runs on "
-                      "with it (then python -m jaxrag.eval.seeds refuses the run)")
+                      f"{len(gates['reading_attempts'])}) reads {gates['fresh_reading']:.2f} of fresh-entity "
+                      f"questions with retrieved passages, threshold {float(probe.reading_gate):.2f} "
+                      "(--config.world_probe.reading_gate); "
+                      "--config.world_probe.allow_failed_reading_gate=True runs on with it (then python -m "
+                      "jaxrag.eval.seeds refuses the run)")
 
 
 def pretrain_until_it_reads_and_verbalizes(cfg: ConfigDict, workdir: Path, world) -> tuple[object, dict]:

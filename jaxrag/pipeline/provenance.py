@@ -108,7 +108,8 @@ def code_identity() -> dict:
             dirty = None if commit is None or status is None else bool(status)
     except OSError:  # no git on this machine
         pass
-    return {"commit": commit, "dirty": dirty, **{name: _version(name) for name in ("jaxrag", "jax", "flax", "transformers")}}
+    return {"commit": commit, "dirty": dirty,
+            **{name: _version(name) for name in ("jaxrag", "jax", "flax", "transformers")}}
 
 
 def _version(package: str) -> str | None:

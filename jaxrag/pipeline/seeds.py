@@ -51,7 +51,8 @@ PER_SEED = ("seed", "world.seed", "data_counts", "n_validation", "n_test", "n_la
 def recipe(config: dict) -> dict:
     """A run's config without the fields that may differ between seeds of one recipe, nor those
     that cannot change a result (`provenance.NEUTRAL`), flattened."""
-    return {k: v for k, v in flatten(config).items() if not any(under(k, p) for p in PER_SEED) and not is_neutral(k)}
+    return {k: v for k, v in flatten(config).items()
+            if not any(under(k, p) for p in PER_SEED) and not is_neutral(k)}
 
 
 def load(workdirs: list[Path], allow_mixed_code: bool = False) -> dict[str, dict]:
@@ -81,9 +82,9 @@ def load(workdirs: list[Path], allow_mixed_code: bool = False) -> dict[str, dict
         base = r.get("base") or {}
         if base.get("reading_gate_passed") is False:
             gate = (r["config"].get("world_probe") or {}).get("reading_gate")
-            raise JaxragError(f"{w}: its base failed the reading gate (reads {base.get('fresh_reading')} of fresh-entity "
-                              f"questions{'' if gate is None else f', gate {gate}'}); a run on a base that cannot read "
-                              "passages is not a seed of the recipe")
+            raise JaxragError(f"{w}: its base failed the reading gate (reads {base.get('fresh_reading')} of "
+                              f"fresh-entity questions{'' if gate is None else f', gate {gate}'}); a run on a base "
+                              "that cannot read passages is not a seed of the recipe")
     codes = {w: run_code(r) for w, r in results.items()}
     if len(set(codes.values())) > 1 and not allow_mixed_code:
         raise JaxragError("runs of different code: " + "; ".join(f"{w} at {c}" for w, c in codes.items())
