@@ -256,7 +256,8 @@ def examples(request):
     return out, {name: load_dataset_examples(name, out / rd.FILES[name]) for name in rd.ORDER}
 
 
-def person_like(name: str) -> bool:
+def proper_name(name: str) -> bool:
+    """A person's or place's name: capitalized words (and name particles), no nationality."""
     words = name.split()
     return bool(words) and all(w[0].isupper() or w in NAME_PARTICLES for w in words) and \
         not NATIONALITIES & {w.lower() for w in words}
@@ -270,7 +271,7 @@ def test_every_gold_is_the_kind_of_answer_asked(examples):
          if ex.question.startswith("Who ") else "alias", ex) for ex in data["nq"]]
     wrong = [(ex.question, ex.golden_answers) for kind, ex in asked if kind != "alias" and not (
         re.fullmatch(r"\d{4}", ex.golden_answers[0]) if kind == "year"
-        else person_like(ex.golden_answers[0]))]
+        else proper_name(ex.golden_answers[0]))]
     assert not wrong
 
 
@@ -284,19 +285,26 @@ def test_no_question_is_asked_twice(examples):
     assert [q for q, n in asked.items() if n > 1] == []
 
 
+def cut_before_its_noun(phrase: str, not_a_noun: set[str] = NOT_A_NOUN) -> bool:
+    """Ends in a `not_a_noun` word (of a hyphenated word, its last part) or a number not a year."""
+    last = phrase.rstrip(".?").split()[-1].rsplit("-", 1)[-1].lower()
+    return last in not_a_noun or bool(re.fullmatch(r"[\d,.]+", last)) and not re.fullmatch(
+        r"\d{4}", last)
+
+
 def test_no_phrase_is_cut_before_its_noun(examples):
-    """Claims' predicates, OpenBookQA's options and ARC-Easy's noun phrases end in a noun."""
+    """Claims' predicates, OpenBookQA's options, and the noun phrases and descriptions that
+    ARC and TriviaQA ask about end in a noun."""
     out, data = examples
     phrases = [re.split(r" (?:is|are|was|were) ", ex.metadata["claim"], maxsplit=1)[1]
                for name in ("pubhealth", "fever") for ex in data[name]]
-    for name, field in (("obqa", "choices"), ("arc_easy", "stem")):
-        for line in open(out / rd.FILES[name], encoding="utf-8"):
-            question = json.loads(line)["question"]
-            phrases += ([c["text"] for c in question["choices"]] if field == "choices" else
-                        [re.sub(r"^Which of these (?:is|are|was|were) ", "", question["stem"])])
-    cut = [p for p in phrases if (last := p.rstrip(".?").split()[-1].rsplit("-", 1)[-1].lower())
-           in NOT_A_NOUN or re.fullmatch(r"[\d,]+", last) and not re.fullmatch(r"\d{4}", last)]
-    assert cut == []
+    for line in open(out / rd.FILES["obqa"], encoding="utf-8"):
+        phrases += [c["text"] for c in json.loads(line)["question"]["choices"]]
+    assert [p for p in phrases if cut_before_its_noun(p)] == []
+    # A question may end in a language ("... in Middle High German?"), not in another modifier.
+    questions = [ex.question for name in ("triviaqa", "arc_challenge", "arc_easy")
+                 for ex in data[name]]
+    assert [q for q in questions if cut_before_its_noun(q, NOT_A_NOUN - NATIONALITIES)] == []
 
 
 def test_cli_writes_manifest(tmp_path, capsys):
