@@ -77,6 +77,13 @@ class QAExample:
         return f"{self.question} Choices: {', '.join(self.choices)}."
 
 
+def question_key(dataset: str, question_id: str) -> str:
+    """A question's name across the training mixture: ids are unique within a dataset only
+    (FlashRAG numbers every file's rows `train_0`, `train_1`, ...), so the dataset leads, as in
+    the embedded world's ids (`nq-train-00012`): `nq-train_7` and `fever-train_7`."""
+    return f"{dataset}-{question_id}"
+
+
 def _required(record: dict, name: str, where: str) -> Any:
     if name not in record:
         raise JaxragError(f"{where}: field {name!r}: missing")

@@ -10,6 +10,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxrag import concurrency
+from jaxrag.data.schema import question_key
 from jaxrag.decode.routing import route
 from jaxrag.decode.scoring import score
 from jaxrag.errors import JaxragError
@@ -57,6 +58,12 @@ def preferred_sources(model, records: list[dict], cfg: ConfigDict) -> tuple[np.n
     return np.concatenate(keys), values
 
 
+def entry_ids(records: list[dict]) -> list[str]:
+    """The datastore's question ids: dataset and id (`question_key`), since ids repeat across
+    datasets (FlashRAG's `train_0` in every file)."""
+    return [question_key(r["dataset"], r["id"]) for r in records]
+
+
 def build_policy_datastore(cfg: ConfigDict, model_dir: Path, records: list[dict], out: Path) -> Path:
     model = load(cfg, model_dir, inference=True)
     layers = model.decoder.cfg.num_layers
@@ -64,7 +71,7 @@ def build_policy_datastore(cfg: ConfigDict, model_dir: Path, records: list[dict]
         raise JaxragError(f"model.datastore_layer={cfg.model.datastore_layer}: {model_dir} has {layers} layers; "
                           f"choose 1-{layers}")
     keys, values = preferred_sources(model, records, cfg)
-    build_datastore(out, keys, values, [r["id"] for r in records], [r["question"] for r in records],
+    build_datastore(out, keys, values, entry_ids(records), [r["question"] for r in records],
                     model=str(model_dir), sources=tuple(model.sources), overwrite=True)
     return out
 
