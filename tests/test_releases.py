@@ -194,3 +194,72 @@ def test_a_file_of_left_out_rows_only_says_why(tmp_path):
 @pytest.fixture(autouse=True)
 def fresh_cache(monkeypatch):
     monkeypatch.setattr(loaders, "_LOADED", {})
+
+
+# --- ids repeated across datasets (FlashRAG numbers every file's rows train_0, ...) --------------
+
+def flashrag_train(path, stem, golds):
+    return jsonl(path, [{"id": f"train_{i}", "question": f"{stem} {i}?", "golden_answers": [golds[i % len(golds)]],
+                         "metadata": {}} for i in range(6)])
+
+
+def two_datasets_config(tmp_path):
+    from jaxrag.pipeline.config import paper_config
+
+    cfg = paper_config("qwen2")
+    cfg.data.train, cfg.data.eval = ["nq", "fever"], []
+    cfg.data.paths.nq = str(flashrag_train(tmp_path / "nq-train.jsonl", "who is person", ["person"]))
+    cfg.data.paths.fever = str(flashrag_train(tmp_path / "fever-train.jsonl", "Fact", ["SUPPORTS", "REFUTES"]))
+    cfg.data.validation_sizes.update(nq=2, fever=2)
+    cfg.data.train_sizes.update(nq=4, fever=4)
+    return cfg
+
+
+def test_ids_repeated_across_datasets_key_records_by_dataset_and_id(tmp_path):
+    import numpy as np
+
+    from jaxrag.data.check import check_data
+    from jaxrag.data.construct import prepare_items
+    from jaxrag.pipeline.datastore import entry_ids
+    from jaxrag.pipeline.workdir import dataset_items
+    from jaxrag.retrieval.datastore import build_datastore
+
+    cfg = two_datasets_config(tmp_path)
+    check_data(cfg)
+    items = dataset_items(cfg, tmp_path, cfg.data.train, "train")
+    [common, *_] = sorted({ex.id for d, ex in items if d == "nq"} & {ex.id for d, ex in items if d == "fever"})
+    construct_items, _ = prepare_items(items)
+    records = [{"dataset": it.dataset, "id": it.example.id, "question": it.question} for it in construct_items]
+    keys = np.random.default_rng(0).normal(size=(len(records), 8)).astype(np.float32)
+    labels = ["wiki", "self"] * (len(records) // 2)
+    with pytest.raises(JaxragError, match="duplicate id"):  # what the datastore stage met before
+        build_datastore(tmp_path / "bare", keys, labels, [r["id"] for r in records],
+                        [r["question"] for r in records], model="m")
+    ds = build_datastore(tmp_path / "ds", keys, labels, entry_ids(records), [r["question"] for r in records],
+                         model="m")
+    nq0, fever0 = ds.row_of(f"nq-{common}"), ds.row_of(f"fever-{common}")
+    assert (records[nq0]["dataset"], records[nq0]["id"]) == ("nq", common)
+    assert (records[fever0]["dataset"], records[fever0]["id"]) == ("fever", common)
+
+
+def test_a_file_repeating_an_id_is_refused_before_the_first_stage(tmp_path):
+    from jaxrag.data.check import check_data
+
+    cfg = two_datasets_config(tmp_path)
+    rows = [json.loads(line) for line in open(cfg.data.paths.fever)]
+    rows[3]["id"] = "train_1"
+    path = jsonl(tmp_path / "fever-dup.jsonl", rows)
+    cfg.data.paths.fever = str(path)
+    with pytest.raises(JaxragError) as info:
+        check_data(cfg)
+    assert str(info.value) == f"{path}:4: field 'id': duplicate id 'train_1' (first at row 2)"
+
+
+def test_the_eval_data_summary_counts_rows_left_out(tmp_path):
+    from jaxrag.data.check import rows_left_out
+
+    cfg = two_datasets_config(tmp_path)
+    cfg.data.paths.fever = str(jsonl(tmp_path / "fever-nei.jsonl", [
+        {"id": f"train_{i}", "question": f"Fact {i}.", "golden_answers": ["NOT ENOUGH INFO" if i < 2 else "SUPPORTS"]}
+        for i in range(8)]))
+    assert rows_left_out(cfg, ["nq", "fever"]) == {"fever": {"label not enough info": 2}}

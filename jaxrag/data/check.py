@@ -14,15 +14,23 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
-from jaxrag.data.loaders import DATASETS, load_dataset_examples
+from jaxrag.data.loaders import DATASETS, left_out, load_dataset_examples
 from jaxrag.data.schema import QAExample
 from jaxrag.errors import JaxragError
 
 
 def dataset_examples(cfg: ConfigDict, name: str) -> list[QAExample]:
     """Dataset `name` whole, at the paper's split (TriviaQA: the unfiltered validation split,
-    Self-RAG's test set): the file `data.paths.NAME`, or the Hugging Face Hub when that is empty."""
-    return load_dataset_examples(name, cfg.data.paths.get(name) or None)
+    Self-RAG's test set): the file or TFDS build `data.paths.NAME`, or the Hugging Face Hub when
+    that is empty."""
+    return load_dataset_examples(name, cfg.data.paths.get(name) or None, tfds_data_dir=cfg.data.tfds_data_dir)
+
+
+def rows_left_out(cfg: ConfigDict, names) -> dict[str, dict[str, int]]:
+    """Per dataset, its rows left out on purpose, per reason (`loaders.left_out`): the data
+    summary of a run on real data (PubHealth's unlabeled rows, PopQA's popular entities, ...)."""
+    return {name: counts for name in names
+            if (counts := left_out(name, cfg.data.paths.get(name) or None, tfds_data_dir=cfg.data.tfds_data_dir))}
 
 
 def check_data(cfg: ConfigDict) -> None:

@@ -1,9 +1,9 @@
 """Datasets kept as TFDS builds (`--config.data.paths.NAME=tfds:BUILDER/CONFIG[:split]`, the
 build's data dir, a folder or a bucket, in `data.tfds_data_dir`), as TPU VM users keep them.
 
-Read with `tfds.data_source`: random access to the build's ArrayRecord files, which needs neither
-TensorFlow nor the network. A build in TFRecord files (`tfds build`'s default) is refused with
-the command that converts it. Each row comes back in the layout of the dataset's Hub release
+Read with TFDS's data source: random access to the build's ArrayRecord (or Parquet) files, which
+needs neither TensorFlow nor the network. A build in TFRecord files (`tfds build`'s default) is
+refused with the command that converts it. Each row comes back in the layout of the dataset's Hub release
 (text as str, `ClassLabel` values as their names: ai2_arc's `answerKey: "B"`), so the dataset's
 own converter (`jaxrag.data.formats`) reads it: TriviaQA `unfiltered.nocontext`,
 `natural_questions_open`, `ai2_arc/ARC-Challenge`, `ai2_arc/ARC-Easy` and `openbookqa` are the
@@ -46,19 +46,27 @@ def tfds_rows(path: str, default_split: str, data_dir: str) -> tuple[str, Iterat
     # lazy: tensorflow_datasets: only TFDS sources need it (about a second to import)
     import tensorflow_datasets as tfds
 
+    build = f"tfds build {name} --data_dir={data_dir} --file_format=array_record"
     try:
-        data = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+        builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
         raise JaxragError(f"{source}: TFDS has no builder {name.split('/')[0]!r}") from None
+    except ValueError as e:  # e.g. an unknown config
+        raise JaxragError(f"{source}: {e}".replace("\n", " ")) from None
+    if not builder.is_prepared():
+        raise JaxragError(f"{source}: no build of {name} in {data_dir}; build it there with: {build}")
+    try:
+        builder.info.splits[split]  # a name, or a slice of one ("train[:10%]")
+    except (KeyError, ValueError):
+        raise JaxragError(f"{source}: the build has no split {split!r} (it has {', '.join(builder.info.splits)})") \
+            from None
+    try:
+        data = builder.as_data_source(split=split)
     except NotImplementedError:  # the build's files are TFRecord: no random access
         raise JaxragError(
-            f"{source}: the build is in TFRecord files; jaxrag reads ArrayRecord builds (no TensorFlow "
-            f"needed). Convert it once: tfds convert_format --root_data_dir={data_dir} "
-            "--out_file_format=array_record, or build it with --file_format=array_record") from None
-    except (AssertionError, FileNotFoundError, ValueError, KeyError) as e:
-        raise JaxragError(f"{source}: no such TFDS build or split in {data_dir} ({type(e).__name__}: "
-                          f"{e}); build it with: tfds build {name} --data_dir={data_dir} "
-                          "--file_format=array_record") from None
+            f"{source}: the build is in TFRecord files; jaxrag reads ArrayRecord or Parquet builds (no "
+            f"TensorFlow needed). Convert it once: tfds convert_format --root_data_dir={data_dir} "
+            f"--out_file_format=array_record, or build it again: {build}") from None
     features = data.dataset_info.features
     return source, ((i + 1, _plain(data[i], features)) for i in range(len(data)))
 
@@ -66,6 +74,7 @@ def tfds_rows(path: str, default_split: str, data_dir: str) -> tuple[str, Iterat
 def _plain(value: Any, feature: Any) -> Any:
     """A decoded TFDS example -> the Hub release's layout: bytes -> str, arrays -> lists,
     `ClassLabel` ints -> their names, `Sequence` of a dict -> a dict of lists."""
+    # lazy: tensorflow_datasets: imported by tfds_rows already, only TFDS sources need it
     import tensorflow_datasets as tfds
 
     if isinstance(feature, tfds.features.FeaturesDict):

@@ -62,12 +62,13 @@ def paper_config(family: str) -> ConfigDict:
         passage_embeddings="",  # DPR's released wikipedia_passages_*.pkl (optional)
         n_passages=5,
     ))
-    # Datasets by name; `paths.NAME` = a local file in its public format (empty: the HF hub).
+    # Datasets by name; `paths.NAME` = a local file in its public format, or a TFDS build
+    # `tfds:BUILDER/CONFIG[:split]` in `tfds_data_dir` (a folder or bucket); empty: the HF hub.
     # Validation comes from the training mixture (Table 5), never from the test sets, which stay
     # whole (PopQA long tail: all 1,399). Larger files / hub splits are sampled by the seed.
     cfg.data = ConfigDict(dict(train=list(TRAIN_DATASETS), eval=list(EVAL_DATASETS),
                                train_sizes=dict(TABLE5_TRAIN), validation_sizes=dict(TABLE5_VALIDATION),
-                               paths={name: "" for name in TRAIN_DATASETS + EVAL_DATASETS}))
+                               paths={name: "" for name in TRAIN_DATASETS + EVAL_DATASETS}, tfds_data_dir=""))
     cfg.construct = ConfigDict(dict(
         n_contexts=5,  # per source
         verbalize_max_tokens=150,
@@ -162,6 +163,7 @@ def tiny_config(family: str) -> ConfigDict:
         train_sizes=dict(TABLE5_TRAIN),  # not read: the world sizes its splits (world.*_size)
         validation_sizes=dict(TABLE5_VALIDATION),  # not read: the world sizes its splits
         paths={name: "" for name in TRAIN_DATASETS + EVAL_DATASETS},  # not read: the world's datasets
+        tfds_data_dir="",  # not read: the world's datasets
     ))
     # GenRead round 2 zero-shot (sampled, n = 5), without the paper's cluster demonstrations: a
     # 3M-parameter model copies the demo's entity instead of learning in context (on training

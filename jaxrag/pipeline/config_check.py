@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from jaxrag.data import tfds_source
 from jaxrag.errors import JaxragError
 from jaxrag.models.families import FAMILIES
 from jaxrag.pipeline.config import paper_config, tiny_config
@@ -32,6 +33,8 @@ _EMBEDDED = "the embedded world (model.path empty) "
 NOT_READ_EMBEDDED = {
     "data.paths": _EMBEDDED + "reads its generated datasets (W/world/datasets), never data.paths; drop it, or "
                               "evaluate your file with a real model (--config.model.path=HF_DIR)",
+    "data.tfds_data_dir": _EMBEDDED + "reads its generated datasets (W/world/datasets), never TFDS builds; "
+                                     "drop it, or use a real model (--config.model.path=HF_DIR)",
     "data.train_sizes": _EMBEDDED + "uses its generated splits; size them with world.*_size instead",
     "data.validation_sizes": _EMBEDDED + "uses its generated splits; size them with world.*_size instead",
     "retrieval.corpus": _EMBEDDED + "retrieves from its generated corpus (W/world/corpus.jsonl); drop it, or use "
@@ -280,9 +283,31 @@ def check_config(cfg: ConfigDict, explicit: Iterable[str] = ()) -> None:
         problems += [f"data.paths.{n} is set, but {n} is in neither data.train nor data.eval; drop it or add {n} "
                      "there" for n in sorted(cfg.data.paths) if cfg.data.paths[n] and n not in used]
         paths = {f"data.paths.{n}": cfg.data.paths[n] for n in sorted(used) if cfg.data.paths.get(n)}
+        problems += tfds_problems(cfg, {k: p for k, p in paths.items() if tfds_source.is_tfds(p)})
+        paths = {k: p for k, p in paths.items() if not tfds_source.is_tfds(p)}
         paths |= {f"retrieval.{k}": cfg.retrieval[k] for k in ("corpus", "passage_embeddings") if cfg.retrieval[k]}
         problems += [f"{name}={p}: no such file or directory" for name, p in paths.items() if not Path(p).exists()]
     if problems:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
         raise JaxragError(problems[0] + more)
 
+
+def tfds_problems(cfg: ConfigDict, sources: dict[str, str]) -> list[str]:
+    """TFDS sources (`tfds:BUILDER/CONFIG[:split]`) need `data.tfds_data_dir`, an existing folder
+    unless it is a bucket (gs://...), and `data.tfds_data_dir` needs a TFDS source to read."""
+    data_dir, problems = cfg.data.tfds_data_dir, []
+    for name, path in sources.items():
+        try:
+            tfds_source.parse(path, "")
+        except JaxragError as e:
+            problems.append(f"{name}={e}")
+    if sources and not data_dir:
+        name, path = next(iter(sources.items()))
+        problems.append(f"{name}={path}: a TFDS build needs --config.data.tfds_data_dir=DIR (the folder or "
+                        "bucket holding the builds)")
+    if data_dir and not sources:
+        problems.append(f"data.tfds_data_dir={data_dir} is set, but no data.paths.NAME is a tfds: source; "
+                        "drop it, or point a dataset at tfds:BUILDER/CONFIG[:split]")
+    if data_dir and "://" not in data_dir and not Path(data_dir).is_dir():
+        problems.append(f"data.tfds_data_dir={data_dir}: no such directory")
+    return problems

@@ -17,6 +17,7 @@ import numpy as np
 from ml_collections import ConfigDict
 from tqdm.auto import tqdm
 
+from jaxrag.data.check import rows_left_out
 from jaxrag.data.construct_stats import stats_markdown
 from jaxrag.data.mixture import stratified_sample
 from jaxrag.eval import harness, latency
@@ -27,7 +28,8 @@ from jaxrag.eval.selectors import SEAKR_FIT_QUESTIONS, SeedSelectors, knows
 from jaxrag.models.tokens import SELF, WIKI
 from jaxrag.pipeline import provenance
 from jaxrag.pipeline.finetune import training_record
-from jaxrag.pipeline.workdir import construct_records, dataset_items, eval_items, load, retriever, route_config
+from jaxrag.pipeline.workdir import (construct_records, dataset_items, eval_items, is_embedded, load, retriever,
+                                    route_config)
 from jaxrag.policies import ccsk as ccsk_mod
 from jaxrag.policies import ik as ik_mod
 from jaxrag.policies import router_inputs
@@ -102,6 +104,8 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
                                                             **ev.selectors.fixed_thresholds()},
                             "paper_version": PAPER_VERSION, "n_validation": len(val), "n_test": n_test,
                             "n_latency": len(idx), "data_counts": data_counts(test, val, ev.selectors.train_items),
+                            "data_left_out": {} if is_embedded(cfg) else rows_left_out(cfg, [*cfg.data.train,
+                                                                                         *cfg.data.eval]),
                             "latency_questions": latency_questions(test, idx, bs),
                             "training": training_record(cfg, workdir)}
     ev.results["code"] = code_record(workdir)
