@@ -63,8 +63,8 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def _knowledge_chunk(tok, passages: list[str] | None, verbal_stopped: bool, verbal_has_eok: bool,
-                     tail: list[int], budget: int) -> tuple[list[int], bool]:
+def knowledge_chunk(tok, passages: list[str] | None, verbal_stopped: bool, verbal_has_eok: bool,
+                    tail: list[int], budget: int) -> tuple[list[int], bool]:
     """Tokens appended after the verbalization phase, ending in `<EOK> Answer:` (`tail`);
     returns (tokens, knowledge was truncated). A Self row that stopped on its own `<EOK>` has
     it in the cache already; one that stopped on EOS or ran out of budget does not."""
@@ -74,6 +74,25 @@ def _knowledge_chunk(tok, passages: list[str] | None, verbal_stopped: bool, verb
         return tail, False
     text = knowledge_ids(tok, [passages])[0]
     return text[:budget] + tail, len(text) > budget
+
+
+def phase_lengths(cfg: RouteConfig, tail: list[int]) -> tuple[int, int, int]:
+    """Cache slots (bucketed) after the question: verbalization, knowledge + tail, answer."""
+    return bucket(cfg.max_verbal_tokens), bucket(cfg.max_knowledge_tokens + len(tail)), bucket(cfg.max_answer_tokens)
+
+
+def knowledge_text(tok, source: str, passages: list[str] | None, verbal: list[int], stops: list[int]) -> str:
+    """What a row's trace reports as its knowledge: the passages it read, its verbalization
+    (without `<EOK>`/EOS), or nothing for the no-retrieval source."""
+    if source == NONE:
+        return ""
+    if source != SELF:
+        return join_passages(passages)
+    return tok.decode([t for t in verbal if t not in stops]).strip()
+
+
+def answer_text(tok, tokens: list[int], eos: list[int]) -> str:
+    return tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip()
 
 
 def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retrieve,
@@ -93,9 +112,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
     prompts = prompt_ids(tok, list(questions))
     batch, plen = batch_rows(n, mesh, rows), bucket(max(map(len, prompts)))
-    vlen = bucket(cfg.max_verbal_tokens)
-    klen = bucket(cfg.max_knowledge_tokens + len(tail))
-    alen = bucket(cfg.max_answer_tokens)
+    vlen, klen, alen = phase_lengths(cfg, tail)
     rng = jax.random.key(0) if rng is None else rng
 
     # T_d: prefill the question, read p_M over source tokens and the hidden state at <EOQ>.
@@ -142,8 +159,8 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     passages.update({i: [] for i, s in enumerate(chosen) if s == NONE})
 
     # T_g: knowledge tail + " Answer:" for every row, then the answer.
-    chunks = [_knowledge_chunk(tok, passages.get(i), bool(verbal_stopped[i]), has_eok[i], tail,
-                               cfg.max_knowledge_tokens) for i in range(n)]
+    chunks = [knowledge_chunk(tok, passages.get(i), bool(verbal_stopped[i]), has_eok[i], tail,
+                              cfg.max_knowledge_tokens) for i in range(n)]
 
     def answer_phase():
         # The cache has room for klen; the chunk is only as long as this batch needs (a batch of
@@ -161,18 +178,13 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
     out = []
     charged = charge_phases({"T_d": t_d, "T_v": t_v, "T_r": t_r, "T_g": t_g}, chosen)
     for i, q in enumerate(questions):
-        if chosen[i] == NONE:
-            knowledge = ""
-        elif chosen[i] != SELF:
-            knowledge = join_passages(passages[i])
-        else:
-            knowledge = tok.decode([t for t in verbal[i, : verbal_len[i]] if t != eok and t not in eos]).strip()
-        text = tok.decode([t for t in answers[i, : answer_len[i]] if t not in eos], skip_special_tokens=True)
+        knowledge = knowledge_text(tok, chosen[i], passages.get(i), verbal[i, : verbal_len[i]].tolist(), [eok, *eos])
+        text = answer_text(tok, answers[i, : answer_len[i]].tolist(), eos)
         out.append(Routed(
             question=q, source=chosen[i], p_model=p_src[i].tolist(),
             p_datastore=None if decision.p_datastore is None else np.asarray(decision.p_datastore[i]).tolist(),
             score=None if decision.score is None else float(decision.score[i]),
-            knowledge=knowledge, answer=text.strip(), knowledge_truncated=chunks[i][1],
+            knowledge=knowledge, answer=text, knowledge_truncated=chunks[i][1],
             latency=charged[i],
         ))
     return out

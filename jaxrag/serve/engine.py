@@ -1,0 +1,390 @@
+"""Continuous batching for SR-RAG: a fixed pool of decode slots, each request in a phase of its own.
+
+    queue --admit--> T_d: the question alone (`sampler.extend`, as `routing.route` on one row), p_M,
+                     the policy (p_M x kNN p_D), the source token; the row joins the pool
+       <Self>  -> verbalize: pool steps until <EOK> / EOS / budget       (T_v)
+       <Wiki>  -> retrieval worker (batched over the rows waiting)       (T_r)
+       <None>  -> nothing
+            -> knowledge chunk + `<EOK> Answer:` into the row, then answer steps  (T_g)
+
+One engine thread runs the loop: admit what fits, hand finished retrievals back, one `slots.step`
+over every row that is decoding, repeat. Retrieval runs on its own thread, so a row waiting for
+passages never stalls the others, and questions that need passages at the same time share one
+encoder + index call. Every prefill and decode shape is bucketed and compiled by `warm_up`
+before the first request; `compiles` counts the programs traced after it (zero while serving).
+
+A row's tokens are computed as `route` computes them for that question alone (the same prompt
+buckets, cache columns and positions), so greedy answers and traces equal `SRRAG.ask([q])`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrag.decode.policy import PolicyInputs, source_probabilities
+from jaxrag.decode.routing import Routed, answer_text, knowledge_chunk, knowledge_text, phase_lengths
+from jaxrag.decode.sampler import bucket, extend, init_state, left_pad
+from jaxrag.decode.slots import init_pool, insert, prefill_row, step
+from jaxrag.errors import JaxragError
+from jaxrag.models.tokens import EOK, NONE, SELF, source_token
+from jaxrag.policies.srrag import srrag_policy
+from jaxrag.prompts import answer_prefix_ids, prompt_ids
+from jaxrag.serve.metrics import Metrics
+
+MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `max_queue` requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Per-request settings; None = the export's."""
+
+    source: str | None = None  # forced knowledge source (skips the policy's choice)
+    k: int | None = None  # neighbours for p_D
+    max_tokens: int | None = None  # answer tokens
+    temperature: float = 0.0  # 0 = greedy, as evaluated
+    top_p: float = 1.0
+
+
+@dataclasses.dataclass
+class Answer:
+    """A finished request: the route as `SRRAG.ask` returns it, and the passages' ids and titles."""
+
+    routed: Routed
+    passages: list[dict] | None
+    finish_reason: str  # "stop" (EOS) or "length"
+    completion_tokens: int
+
+
+class Job:
+    """One question in flight. `listener(kind, value)` is called on the engine's threads:
+    ("delta", answer text), then ("done", Answer) or ("error", message)."""
+
+    def __init__(self, question: str, prompt: list[int], options: Options, listener: Callable):
+        self.question, self.prompt, self.options, self.listener = question, prompt, options, listener
+        self.cancelled = False
+        self.slot: int | None = None
+        self.submitted = time.perf_counter()
+        self.latency: dict[str, float] = {}
+        self.phase = "queued"
+        self.tokens: list[int] = []
+        self.verbal: list[int] = []
+        self.verbal_stopped = False
+        self.passages: list[str] | None = None
+        self.hits = None
+        self.sent = ""  # answer text streamed so far
+
+
+class Engine:
+    def __init__(self, system, *, slots: int = 8, max_queue: int = 256, max_question_tokens: int = 256):
+        model, cfg = system.model, system.route_cfg
+        if not model.sources:
+            raise JaxragError("the model has no SR-RAG tokens (convert it with --sources first)")
+        self.system, self.model, self.cfg, self.dec = system, model, cfg, model.decoder
+        self.tok, self.sources = model.tokenizer, tuple(model.sources)
+        self.src_ids = [model.token_id(source_token(s)) for s in self.sources]
+        self.eok, self.tail = model.token_id(EOK), answer_prefix_ids(self.tok)
+        self.eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
+        self.vlen, self.klen, self.alen = phase_lengths(cfg, self.tail)
+        self.slots, self.max_queue, self.max_question_tokens = int(slots), int(max_queue), int(max_question_tokens)
+        self.prompt_buckets = sorted({bucket(n) for n in range(1, self.max_question_tokens + 1)})
+        self.chunk_buckets = sorted({min(self.klen, bucket(n)) for n in range(1, self.klen + 1)})
+        self.max_k = min(MAX_K, len(system.datastore))
+        self.pool = init_pool(self.dec, self.slots, self._length(self.prompt_buckets[-1]))
+        self.rows: list[Job | None] = [None] * self.slots
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.found: list[tuple[Job, list]] = []
+        self.to_retrieve: list[Job] = []
+        self.cv, self.retrieval_cv = threading.Condition(), threading.Condition()
+        self.stopping, self.stopped, self.steps, self.key = False, False, 0, jax.random.key(0)
+        self.metrics = Metrics(self)
+        self.threads = [threading.Thread(target=self._loop, name="srrag-engine", daemon=True),
+                        threading.Thread(target=self._retrieve_loop, name="srrag-retrieval", daemon=True)]
+
+    def _length(self, plen: int) -> int:
+        """Cache slots of a question of `plen` (bucketed) tokens, as `route` sizes it alone."""
+        return plen + 1 + self.vlen + self.klen + self.alen
+
+    # --- intake (any thread) --------------------------------------------------------------
+
+    def prompt(self, question: str) -> list[int]:
+        """The question's prompt ids; JaxragError when it is empty or over the length served."""
+        if not question.strip():
+            raise JaxragError("the question is empty")
+        ids = prompt_ids(self.tok, [question])[0]
+        if len(ids) > self.max_question_tokens:
+            raise JaxragError(f"the question's prompt has {len(ids)} tokens; this server takes at most "
+                              f"{self.max_question_tokens} (--max-question-tokens)")
+        return ids
+
+    def check(self, options: Options) -> None:
+        """JaxragError naming the first bad option."""
+        o = options
+        if o.source is not None and o.source not in self.sources:
+            raise JaxragError(f"source {o.source!r}: this model's sources are {', '.join(self.sources)}")
+        if o.k is not None and not 1 <= o.k <= self.max_k:
+            raise JaxragError(f"k {o.k}: must be between 1 and {self.max_k}")
+        if o.max_tokens is not None and not 1 <= o.max_tokens <= self.cfg.max_answer_tokens:
+            raise JaxragError(f"max_tokens {o.max_tokens}: must be between 1 and {self.cfg.max_answer_tokens}")
+        if not 0.0 <= o.temperature <= 100.0:
+            raise JaxragError(f"temperature {o.temperature}: must be between 0 and 100")
+        if not 0.0 < o.top_p <= 1.0:
+            raise JaxragError(f"top_p {o.top_p}: must be in (0, 1]")
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queues the jobs, all or none: QueueFull when they do not fit."""
+        with self.cv:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(f"the queue holds {len(self.waiting)} of {self.max_queue} requests")
+            self.waiting.extend(jobs)
+            self.cv.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        with self.cv:
+            job.cancelled = True
+            self.cv.notify_all()
+
+    def busy(self) -> int:
+        return sum(j is not None for j in self.rows)
+
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    def start(self) -> Engine:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        """Finishes every queued and running request, then stops the threads."""
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        for t in self.threads:
+            if t.is_alive():
+                t.join()
+
+    def warm_up(self) -> None:
+        """Compiles every program a request can run, before the first one: the question prefill
+        and source token per prompt bucket (with the datastore search), the knowledge chunk per
+        chunk bucket, the pool step, and the retriever per encoder length bucket."""
+        filler = self.tail[-1]
+        for plen in self.prompt_buckets:
+            state, p_src, hidden = self._select([filler] * plen)
+            self._policy(self.system.k)(PolicyInputs([""], self.sources, p_src, hidden))
+            self.pool = insert(self.pool, self._append_source(state, self.sources[0]), jnp.int32(0))
+        for width in self.chunk_buckets:
+            ids, mask = left_pad([[filler] * width], width, 1)
+            self.pool = prefill_row(self.dec, self.pool, jnp.int32(0), jnp.asarray(ids), jnp.asarray(mask))
+        self._run_step(np.ones(self.slots, bool), np.full(self.slots, 0.5, np.float32), np.full(self.slots, 0.9, np.float32))
+        encoder = self.system.retriever.encoder
+        for length in encoder.buckets():
+            words = max(1, length - 2)
+            while words > 1 and len(encoder.tokenizer("a " * words)["input_ids"]) > length:
+                words -= 1
+            self.search(["a " * words])
+        self.metrics.serving()
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self._work():
+                    if self.stopping and not self.waiting and not self.busy():
+                        with self.retrieval_cv:
+                            self.stopped = True
+                            self.retrieval_cv.notify_all()
+                        return
+                    self.cv.wait()
+                for i, job in enumerate(self.rows):
+                    if job is not None and job.cancelled:
+                        self._free(job, "cancelled")
+                admit = []
+                while self.waiting and None in self.rows:
+                    job = self.waiting.popleft()
+                    if job.cancelled:
+                        self.metrics.finished("cancelled")
+                        continue
+                    job.slot = self.rows.index(None)
+                    self.rows[job.slot] = job
+                    admit.append(job)
+                found, self.found = self.found, []
+            for job in admit:
+                self._guarded(job, self._admit)
+            for job, hits in found:
+                if self.rows[job.slot] is job and not job.cancelled:
+                    self._guarded(job, lambda j: self._retrieved(j, hits))
+            if any(j is not None and j.phase in ("verbalize", "answer") for j in self.rows):
+                self._step()
+
+    def _work(self) -> bool:
+        return bool(self.found or (self.waiting and None in self.rows)
+                    or any(j is not None and (j.cancelled or j.phase in ("verbalize", "answer")) for j in self.rows))
+
+    def _guarded(self, job: Job, fn) -> None:
+        try:
+            fn(job)
+        except Exception as e:  # one request's failure is its own; the engine keeps serving
+            message = str(e) if isinstance(e, JaxragError) else f"internal error: {type(e).__name__}: {e}"
+            with self.cv:
+                self._free(job, "error")
+            job.listener("error", message)
+
+    def _free(self, job: Job, outcome: str) -> None:
+        if job.slot is not None and self.rows[job.slot] is job:
+            self.rows[job.slot] = None
+        job.phase = outcome
+        self.metrics.finished(outcome)
+
+    def _select(self, prompt: list[int]):
+        """T_d as `route` runs it on one row: prefill, p_M, the hidden state at <EOQ>."""
+        plen = bucket(len(prompt))
+        state = init_state(self.dec, 1, self._length(plen))
+        ids, mask = left_pad([prompt], plen, 1)
+        state, hidden = extend(self.dec, state, jnp.asarray(ids), jnp.asarray(mask), hidden_layer=self.cfg.hidden_layer)
+        return state, source_probabilities(state.logits[:1], self.src_ids), np.asarray(hidden[:1])
+
+    def _append_source(self, state, source: str):
+        ids, mask = left_pad([[self.src_ids[self.sources.index(source)]]], 1, 1)
+        return extend(self.dec, state, jnp.asarray(ids), jnp.asarray(mask))[0]
+
+    def _policy(self, k: int):
+        """SR-RAG's policy with p_D from the k nearest entries (one search at `max_k`: one program)."""
+        store = self.system.datastore
+        return srrag_policy(lambda keys: store.neighbour_labels(np.asarray(keys, np.float32), self.max_k)[:, :k],
+                            self.system.tau)
+
+    def _admit(self, job: Job) -> None:
+        start = time.perf_counter()
+        job.latency["queue"] = start - job.submitted
+        state, p_src, hidden = self._select(job.prompt)
+        decision = self._policy(job.options.k or self.system.k)(PolicyInputs([job.question], self.sources, p_src, hidden))
+        job.source = job.options.source or self.sources[int(np.asarray(decision.source)[0])]
+        job.p_model = p_src[0].tolist()
+        job.p_datastore = None if decision.p_datastore is None else np.asarray(decision.p_datastore[0]).tolist()
+        job.score = None if decision.score is None else float(decision.score[0])
+        self.pool = jax.block_until_ready(insert(self.pool, self._append_source(state, job.source), jnp.int32(job.slot)))
+        job.latency["T_d"] = time.perf_counter() - start
+        if job.source == SELF:
+            job.phase, job.tokens, job.budget, job.stops = "verbalize", [], self.cfg.max_verbal_tokens, [self.eok, *self.eos]
+            job.phase_start = time.perf_counter()
+        elif job.source == NONE:
+            self._knowledge(job, [])
+        else:
+            job.phase, job.phase_start = "retrieve", time.perf_counter()
+            with self.retrieval_cv:
+                self.to_retrieve.append(job)
+                self.retrieval_cv.notify_all()
+
+    def _retrieved(self, job: Job, hits) -> None:
+        job.latency["T_r"] = time.perf_counter() - job.phase_start
+        job.hits = [{"id": h.passage.id, "title": h.passage.title} for h in hits]
+        self._knowledge(job, [h.passage.to_prompt() for h in hits])
+
+    def _knowledge(self, job: Job, passages: list[str] | None) -> None:
+        """Knowledge (passages; nothing for Self, whose verbalization is in the row) and
+        `<EOK> Answer:` into the row; then the answer phase (T_g, as `route` times it)."""
+        job.phase_start = time.perf_counter()
+        job.passages = passages
+        has_eok = job.verbal_stopped and bool(job.verbal) and job.verbal[-1] == self.eok
+        chunk, job.truncated = knowledge_chunk(self.tok, passages, job.verbal_stopped, has_eok, self.tail,
+                                               self.cfg.max_knowledge_tokens)
+        ids, mask = left_pad([chunk], min(self.klen, bucket(len(chunk))), 1)
+        self.pool = prefill_row(self.dec, self.pool, jnp.int32(job.slot), jnp.asarray(ids), jnp.asarray(mask))
+        job.phase, job.tokens, job.stops = "answer", [], self.eos
+        job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
+
+    def _step(self) -> None:
+        live = np.array([j is not None and j.phase in ("verbalize", "answer") for j in self.rows])
+        temperature = np.array([j.options.temperature if on else 0.0 for j, on in zip(self.rows, live)], np.float32)
+        top_p = np.array([j.options.top_p if on else 1.0 for j, on in zip(self.rows, live)], np.float32)
+        start = time.perf_counter()
+        tokens = self._run_step(live, temperature, top_p)
+        self.metrics.stepped(time.perf_counter() - start, int(live.sum()))
+        for slot in np.flatnonzero(live):
+            job = self.rows[slot]
+            tok = int(tokens[slot])
+            job.tokens.append(tok)
+            hit = tok in job.stops
+            if job.phase == "answer":
+                self._stream(job)
+            if hit or len(job.tokens) >= job.budget:
+                if job.phase == "verbalize":
+                    job.latency["T_v"] = time.perf_counter() - job.phase_start
+                    job.verbal, job.verbal_stopped = job.tokens, hit
+                    self._guarded(job, lambda j: self._knowledge(j, None))
+                else:
+                    self._finish(job, "stop" if hit else "length")
+
+    def _run_step(self, live: np.ndarray, temperature: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+        self.pool, tokens = step(self.dec, self.pool, jnp.asarray(live), jnp.asarray(temperature),
+                                 jnp.asarray(top_p), jax.random.fold_in(self.key, self.steps))
+        self.steps += 1
+        return np.asarray(tokens)
+
+    def _stream(self, job: Job) -> None:
+        """The answer's new text, held back while it ends in whitespace or half a character."""
+        text = self.tok.decode([t for t in job.tokens if t not in self.eos], skip_special_tokens=True).strip()
+        if len(text) > len(job.sent) and text.startswith(job.sent) and not text.endswith("\ufffd"):
+            delta, job.sent = text[len(job.sent):], text
+            job.listener("delta", delta)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        job.latency["T_g"] = time.perf_counter() - job.phase_start
+        answer = answer_text(self.tok, job.tokens, self.eos)
+        if answer != job.sent and answer.startswith(job.sent):
+            job.listener("delta", answer[len(job.sent):])
+        knowledge = knowledge_text(self.tok, job.source, job.passages, job.verbal, [self.eok, *self.eos])
+        routed = Routed(question=job.question, source=job.source, p_model=job.p_model, p_datastore=job.p_datastore,
+                        score=job.score, knowledge=knowledge, answer=answer, knowledge_truncated=job.truncated,
+                        latency=dict(job.latency))
+        with self.cv:
+            self._free(job, "done")
+        self.metrics.answered(job, len(job.tokens))
+        job.listener("done", Answer(routed, job.hits, reason, len(job.tokens)))
+
+    # --- the retrieval thread ----------------------------------------------------------------
+
+    def _retrieve_loop(self) -> None:
+        while True:
+            with self.retrieval_cv:
+                while not self.to_retrieve:
+                    if self.stopped:
+                        return
+                    self.retrieval_cv.wait()
+                batch, self.to_retrieve = self.to_retrieve, []
+            try:
+                found = self.search([j.question for j in batch])
+            except Exception as e:  # every row of the batch fails; the others keep going
+                for job in batch:
+                    with self.cv:
+                        self._free(job, "error")
+                    job.listener("error", f"retrieval failed: {e}")
+                continue
+            with self.cv:
+                self.found.extend(zip(batch, found))
+                self.cv.notify_all()
+
+    def search(self, questions: list[str]) -> list:
+        """Top-n passages per question; batches are padded to the slot count (one program per
+        encoder length bucket)."""
+        out = []
+        for start in range(0, len(questions), self.slots):
+            part = questions[start:start + self.slots]
+            padded = part + [part[0]] * (self.slots - len(part))
+            out += self.system.retriever.search(padded, self.system.n_passages, batch_size=self.slots)[:len(part)]
+        return out
