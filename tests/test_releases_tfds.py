@@ -27,8 +27,10 @@ ARC = [{"id": "Mercury_7175875", "answerKey": "C", "question": {
            "choices": [{"text": "balance", "label": "1"}, {"text": "ruler", "label": "2"},
                        {"text": "thermometer", "label": "3"}]}}]
 OBQA = [{"id": "7-980", "question": {"stem": "The sun is responsible for", "choices": [
-    {"text": "puppies learning new tricks", "label": "A"}, {"text": "children growing up and getting old", "label": "B"},
-    {"text": "flowers wilting in a vase", "label": "C"}, {"text": "plants sprouting, blooming and wilting", "label": "D"}]},
+    {"text": "puppies learning new tricks", "label": "A"},
+    {"text": "children growing up and getting old", "label": "B"},
+    {"text": "flowers wilting in a vase", "label": "C"},
+    {"text": "plants sprouting, blooming and wilting", "label": "D"}]},
     "fact1": "the sun is the source of energy for physical cycles on Earth", "humanScore": 1.0, "clarity": 2.0,
     "turkIdAnonymized": "b356d338b7", "answerKey": "D"}]
 TRIVIA = {"Data": [{

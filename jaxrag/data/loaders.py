@@ -6,9 +6,9 @@ file in any of its public formats (.jsonl, .json, .tsv, .csv, .parquet; the row'
 decide which release it is; DPR's question CSVs are tab-separated `question<TAB>['answer', ..]`
 lines without a header), from a TFDS build (`tfds:BUILDER/CONFIG[:split]` in
 `data.tfds_data_dir`, `jaxrag.data.tfds_source`) or, with no path, by name from the Hugging Face
-Hub. A row in the shared (FlashRAG) schema, i.e. with
-`golden_answers`, is finished the dataset's own way (`DatasetSpec.finish`): claims labelled
-"true"/"false", PopQA's long tail, multiple choice with its options.
+Hub. A row in the shared (FlashRAG) schema, i.e. with `golden_answers`, is finished the dataset's
+own way (`DatasetSpec.finish`): claims labelled "true"/"false", PopQA's long tail, multiple
+choice with its options.
 
 Rows left out on purpose (PopQA's popular entities, claims neither true nor false, PubHealth rows
 without a usable label) are counted per reason: `left_out(name, path)`, printed once per file
@@ -131,7 +131,7 @@ def _load(name: str, path: Path | str | None, split: str, tfds_data_dir: str) ->
                               f"(first at row {first_row[example.id]})")
         first_row[example.id] = n
         examples.append(example)
-    if spec.metric == "choice" and name.startswith("arc") and shared == n and n in FLASHRAG_ARC_SIZES:
+    if name in ("arc_challenge", "arc_easy") and shared == n and n in FLASHRAG_ARC_SIZES:
         config = spec.config or name
         raise JaxragError(
             f"{source}: {n} rows, the size of FlashRAG's combined `arc` {FLASHRAG_ARC_SIZES[n]} file "
