@@ -5,7 +5,7 @@ its normalized aliases, DPR's question CSVs, PUBHEALTH's TSV with unlabeled rows
 import json
 
 import pytest
-from data_files import jsonl, tsv
+from data_files import jsonl, parquet, tsv
 
 from jaxrag.data import loaders
 from jaxrag.data.formats import triviaqa_normalize
@@ -182,6 +182,14 @@ def test_pubhealth_tsv_skips_and_counts_unlabeled_rows(tmp_path, capsys):
     assert left_out("pubhealth", path) == {"label mixture": 1, "no label": 1, "unknown label": 1}
     assert f"pubhealth: {path}: 2 questions; left out 3 rows (label mixture: 1, no label: 1, unknown label: 1)" \
         in capsys.readouterr().err
+
+
+def test_health_fact_rows_without_a_label_are_left_out(tmp_path):
+    row = {"claim_id": "1", "claim": "Garlic cures flu.", "date_published": "", "explanation": "", "fact_checkers": "",
+           "main_text": "", "sources": "", "subjects": ""}
+    path = parquet(tmp_path / "health_fact.parquet", [{**row, "label": 0}, {**row, "claim_id": "2", "label": -1}])
+    assert [e.id for e in load_dataset_examples("pubhealth", path)] == ["1"]
+    assert left_out("pubhealth", path) == {"no label": 1}
 
 
 def test_a_file_of_left_out_rows_only_says_why(tmp_path):

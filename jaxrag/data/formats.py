@@ -234,13 +234,15 @@ def _claim(ident: Any, text: str, label: str, where: str, key: str) -> Record | 
 
 
 def _release_label(raw: Any) -> str | LeftOut:
-    """PubHealth's `label` column (HF health_fact's class index or the TSV's name): rows without
-    a usable one are in the release (the TSV has empty and stray labels; the HF loader gives them
-    -1) and are left out, as the HF loader does."""
+    """PubHealth's `label` column (HF health_fact's class index or the TSV's name). The release
+    has rows without a usable one (the TSV empty or stray labels, HF's health_fact -1 for them):
+    they are left out and counted, never scored."""
     if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
         raw = int(raw)  # health_fact labels written to TSV/CSV
     if isinstance(raw, int) and not isinstance(raw, bool):
-        return _HEALTH_FACT_NAMES[raw] if 0 <= raw < len(_HEALTH_FACT_NAMES) else LeftOut("no label")
+        if raw == -1:
+            return LeftOut("no label")
+        return _HEALTH_FACT_NAMES[raw] if 0 <= raw < len(_HEALTH_FACT_NAMES) else LeftOut("unknown label")
     if not isinstance(raw, str) or not raw.strip():
         return LeftOut("no label")
     known = raw.strip().lower() in _CLAIM_LABELS or raw.strip().lower() in _LEFT_OUT
