@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jaxrag import multihost
 from jaxrag.errors import JaxragError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -54,14 +55,19 @@ def is_multihost_launch(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
-    """Calls `jax.distributed.initialize()` once on multi-host launches; must run before any
-    other JAX call. JAX_NUM_PROCESSES / JAX_PROCESS_ID override cluster auto-detection."""
+    """Calls `jax.distributed.initialize()` once on multi-host launches, and starts the watchdog
+    that stops this process when a peer is lost (`jaxrag.multihost`); must run before any other
+    JAX call. JAX_NUM_PROCESSES / JAX_PROCESS_ID override cluster auto-detection. On CPU devices
+    the processes' collectives go over gloo (TCP), as on one machine running several processes."""
     if not is_multihost_launch(env) or jax.distributed.is_initialized():
         return False
     num = env.get("JAX_NUM_PROCESSES")
     pid = env.get("JAX_PROCESS_ID")
+    if env.get("JAX_PLATFORMS") == "cpu":  # CPU devices of several processes: collectives over TCP
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(num_processes=int(num) if num else None,
                                process_id=int(pid) if pid else None)
+    multihost.start_watchdog()
     return True
 
 
@@ -117,6 +123,8 @@ def param_shardings(mesh: Mesh, module: nnx.Module) -> dict:
 def place(tree, shardings):
     """Host or single-device arrays -> global arrays; each device reads only its own slice."""
     def put(x, s):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard it
+            return jax.device_put(x, s)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
     return jax.tree.map(put, tree, shardings)

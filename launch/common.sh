@@ -45,6 +45,12 @@ quote() {
   printf '%s\n' "${out# }"
 }
 
+# The environment that makes `jaxrag.sharding.initialize_distributed` join process I of N, whose
+# process 0 listens at COORDINATOR (host:port): what every multi-process launcher hands each process.
+process_env() {  # process_env COORDINATOR N I
+  printf '%s\n' "JAX_COORDINATOR_ADDRESS=$1" "JAX_NUM_PROCESSES=$2" "JAX_PROCESS_ID=$3"
+}
+
 # Runs a command, or with --dry-run only prints it; so a dry run shows exactly what would run.
 run() {
   if ((DRY_RUN)); then quote "$@"; return; fi

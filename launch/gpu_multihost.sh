@@ -82,7 +82,8 @@ case $MODE in
     # No cluster for JAX to detect: all three values are explicit, every visible GPU is used.
     for ((i = 0; i < HOSTS; i++)); do
       if [[ -z $PROCESS_ID || $PROCESS_ID == "$i" ]]; then
-        run env "JAX_COORDINATOR_ADDRESS=$COORDINATOR" "JAX_NUM_PROCESSES=$HOSTS" "JAX_PROCESS_ID=$i" "${train[@]}"
+        mapfile -t vars < <(process_env "$COORDINATOR" "$HOSTS" "$i")
+        run env "${vars[@]}" "${train[@]}"
       fi
     done ;;
 esac

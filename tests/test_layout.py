@@ -20,7 +20,7 @@ PACKAGE = ROOT / "jaxrag"
 
 # Lowest first. A unit may import units of its own layer or of a lower one.
 LAYERS = (
-    ("shared", {"jaxrag.errors", "jaxrag.sharding", "jaxrag.concurrency", "jaxrag.host_memory"}),
+    ("shared", {"jaxrag.errors", "jaxrag.multihost", "jaxrag.watchdog", "jaxrag.sharding", "jaxrag.concurrency", "jaxrag.host_memory"}),
     ("library", {"jaxrag", "jaxrag.models", "jaxrag.prompts", "jaxrag.decode", "jaxrag.policies",
                  "jaxrag.retrieval", "jaxrag.train", "jaxrag.eval", "jaxrag.data", "jaxrag.world", "jaxrag.serve"}),
     ("planner", {"jaxrag.plan"}),

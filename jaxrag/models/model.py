@@ -263,7 +263,10 @@ def save_model(model: Model, out) -> Path:
 
 def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
     _, abstract = abstract_decoder(cfg)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract))
+    # Whole on this process's first device, as a Hugging Face load is: a checkpoint saved by a
+    # multi-process run would otherwise come back sharded over the processes that saved it.
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), nnx.to_pure_dict(abstract))
     try:
         with concurrency.ORBAX, ocp.StandardCheckpointer() as ckptr:
             return ckptr.restore(params_dir.absolute(), target)

@@ -11,6 +11,7 @@ import transformers
 from flax import nnx
 from ml_collections import ConfigDict
 
+from jaxrag import multihost
 from jaxrag.errors import JaxragError
 from jaxrag.models import hf
 from jaxrag.models.decoder import Decoder
@@ -47,7 +48,8 @@ def base_stage(cfg: ConfigDict, workdir: Path) -> Path:
                                     int(cfg.construct.verbalize_max_tokens))
     metrics.update(gates)
     save_model(model, out)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    if multihost.is_leader():
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print("  what the base model knows:", json.dumps(metrics))
     return out
 

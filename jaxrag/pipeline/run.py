@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 from ml_collections import ConfigDict
 
-from jaxrag import host_memory
+from jaxrag import host_memory, multihost
 from jaxrag.data.check import check_data
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import resolve_model_dir
@@ -88,19 +88,40 @@ def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
     except (OSError, ValueError, AttributeError):  # none yet, or not a record: check
         pass
     check_fit(cfg)
+    if not multihost.is_leader():
+        return
     workdir.mkdir(parents=True, exist_ok=True)
     tmp = record.with_name(f".{FIT_FILE}.tmp")
     tmp.write_text(json.dumps({"key": key, "verdict": "every program fits (jaxrag.plan)"}) + "\n")
     os.replace(tmp, record)
 
 
+# Stages that run on process 0 alone in a multi-process run (the others wait at the barrier after
+# it): they run no program on the mesh. Every other stage runs on every process, one program over
+# the mesh of all processes' devices, and process 0 alone writes what it makes.
+LEADER_STAGES = ("world", "index")
+
+
+def input_files(cfg: ConfigDict) -> dict[str, str]:
+    """Digest of every local data file the config reads (`multihost.file_digest`), by field."""
+    fields = {f"data.paths.{name}": path for name, path in cfg.data.paths.items()}
+    fields["retrieval.corpus"] = cfg.retrieval.corpus
+    return {field: multihost.file_digest(Path(path)) for field, path in sorted(fields.items())
+            if path and Path(path).is_file()}
+
+
 def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
     """Runs the stages in order (up to `pipeline.stop_after`). Each stage's inputs are recorded in
     `W/inputs/<stage>.json` before it runs (`jaxrag.pipeline.provenance`); a finished stage built from the
     same inputs is skipped, stale eval / export are redone, an earlier stale stage stops the run
-    before anything is done. `user_set`: fields set on the command line (`config_check`)."""
+    before anything is done. `user_set`: fields set on the command line (`config_check`).
+
+    On several processes (`jaxrag.multihost`): each process first shows process 0 its config, data
+    and workdir, and is refused if they differ; every process then plans from the same workdir,
+    runs each stage (`LEADER_STAGES`: process 0 alone) and meets the others at a barrier after it."""
     check_config(cfg, user_set)
     workdir = Path(workdir)
+    multihost.agree_at_start(cfg.to_dict(), input_files(cfg), workdir)
     preflight(cfg)
     stages = [st for st in _stages() if st[0] != "world" or is_embedded(cfg)]
     names = [n for n, _, _ in stages]
@@ -112,16 +133,21 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
     done = {name: workdir.is_dir() and is_done(workdir) for name, _, is_done in stages}
     steps = provenance.plan(cfg, workdir, names, done, is_embedded(cfg), cfg.pipeline.get("rerun_from", ""))
     check_fit_before(cfg, workdir, names, steps)
-    workers = _workers(cfg)
-    workdir.mkdir(parents=True, exist_ok=True)
-    leader = _is_leader()
+    workers = _workers(cfg, user_set)
+    multihost.barrier("planned")  # every process planned from the workdir as it was before this run
+    leader = multihost.is_leader()
     if leader:
+        workdir.mkdir(parents=True, exist_ok=True)
         write_config(cfg, workdir)
 
     def stage_task(i: int, name: str, stage, step):
         head = f"[{i}/{len(stages)}] {name}:"
 
         def go():
+            with multihost.stage(name):
+                run_step()
+
+        def run_step():
             if step.action in ("skip", "adopt"):
                 if leader and step.action == "adopt":
                     provenance.write_record(workdir, step.record)
@@ -136,7 +162,10 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
                 if step.why else ""
             print(f"{head} running{why}", flush=True)
             start = time.perf_counter()
-            stage(cfg, workdir)
+            multihost.barrier(f"{name}:start")  # process 0 removed the stale outputs
+            if leader or name not in LEADER_STAGES:
+                stage(cfg, workdir)
+            multihost.barrier(f"{name}:done")  # every process sees the stage's outputs whole
             host_memory.release()  # the stage's models and temporaries, before the next stage loads its own
             print(f"{head} finished in {time.perf_counter() - start:.0f}s", flush=True)
         return go, tuple(u for u in provenance.STAGES[name].upstream if u in names)
@@ -146,8 +175,9 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
     # stage before it, so its latency is measured with nothing beside it.
     lanes.run_graph({name: stage_task(i, name, stage, step)
                      for i, ((name, stage, _), step) in enumerate(zip(stages, steps), 1)}, workers)
-    if (workdir / "report.md").is_file() and (not stop_after or stop_after in ("eval", "export")):
+    if (workdir / "report.md").is_file() and (not stop_after or stop_after in ("eval", "export")) and leader:
         print((workdir / "report.md").read_text(encoding="utf-8"), flush=True)
+    multihost.finish()
     return {name: workdir / name for name in names}
 
 
@@ -163,19 +193,18 @@ def write_config(cfg: ConfigDict, workdir: Path) -> None:
     os.replace(tmp, path)
 
 
-def _workers(cfg: ConfigDict) -> int:
+def _workers(cfg: ConfigDict, user_set=()) -> int:
+    """Stages at a time: the config's, or one on a multi-process run (whose processes must issue
+    their collectives in one order) unless the command line asked for more, which is refused."""
     workers = int(cfg.pipeline.workers)
     if workers < 1:
         raise JaxragError(f"--config.pipeline.workers={workers}: must be at least 1")
+    if workers > 1 and jax.process_count() > 1 and "pipeline.workers" not in user_set:
+        return 1
     if workers > 1 and jax.process_count() > 1:
         raise JaxragError(f"--config.pipeline.workers={workers}: the {jax.process_count()} processes of a multi-host "
                           "run must issue their collectives in one order; set --config.pipeline.workers=1")
     return workers
-
-
-def _is_leader() -> bool:
-    """Process 0 writes the records and removes stale outputs (on a shared filesystem)."""
-    return jax.process_index() == 0
 
 
 def _remove(workdir: Path, outputs) -> None:

@@ -1,0 +1,120 @@
+"""What tests/test_multihost.py builds on: the miniature pipeline of tests/test_pipeline.py as
+several processes (`launch/local.sh`, the runtime a pod runs: jax.distributed over a 127.0.0.1
+coordinator, gloo collectives) and as one, each process's file writes recorded by
+tests/write_audit/sitecustomize.py, and a process killed mid-stage by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline_fixtures import REPO, mini_overrides
+
+AUDIT = REPO / "tests" / "write_audit"
+# The mesh's fsdp axis spans every device, so with 2 processes x 2 devices each parameter is split
+# across the process boundary: every training step, and every generation and scoring program of
+# an inference model placed on the mesh, runs collectives between the processes.
+MESH = ("--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1")
+
+
+def train_args(workdir: Path) -> list[str]:
+    return ["--config", "configs/qwen.py:tiny", "--workdir", str(workdir),
+            *(f"--config.{k}={v}" for k, v in mini_overrides().items()), *MESH]
+
+
+def free_ports() -> int:
+    """A port P with P + 1 free too (the coordinator's and its watchdog hub's)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def audited_env(workdir: Path, audit: Path, **extra) -> dict[str, str]:
+    """The test's environment, plus the write audit of every Python process under `workdir`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
+    env.update(PYTHONPATH=os.pathsep.join([str(AUDIT), str(REPO)]), JAXRAG_WRITE_AUDIT_ROOT=str(workdir),
+               JAXRAG_WRITE_AUDIT=str(audit), JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def launch(workdir: Path, audit: Path, processes: int = 2, devices: int = 2, extra=()) -> subprocess.Popen:
+    """`launch/local.sh` as a user runs it; process I logs to workdir/logs/process-I.log."""
+    cmd = [str(REPO / "launch" / "local.sh"), "--processes", str(processes), "--devices-per-process", str(devices),
+           "--port", str(free_ports()), "--python", sys.executable, *train_args(workdir), *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=audited_env(workdir, audit), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def single_process(workdir: Path, audit: Path, devices: int = 4) -> subprocess.CompletedProcess:
+    env = audited_env(workdir, audit, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "-m", "jaxrag.train", *train_args(workdir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=3600)
+
+
+def log(workdir: Path, process: int) -> str:
+    path = workdir / "logs" / f"process-{process}.log"
+    return path.read_text(errors="replace").replace("\r", "\n") if path.exists() else ""
+
+
+def pid_of(process: int, audit: Path) -> int | None:
+    """The pid of the run's process `process` (its environment names the test's audit folder)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"jaxrag.train" in cmd and f"JAXRAG_WRITE_AUDIT={audit}".encode() in env \
+                and f"JAX_PROCESS_ID={process}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+def kill_during(proc: subprocess.Popen, workdir: Path, audit: Path, line: str, victim: int,
+                timeout: float = 1800) -> dict:
+    """Waits until process 0's log shows `line` (a stage starting), kills process `victim` with
+    SIGKILL and measures how long the launcher takes to exit after it."""
+    deadline = time.monotonic() + timeout
+    while line not in log(workdir, 0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the launch ended or timed out before {line!r}:\n{log(workdir, 0)[-3000:]}")
+        time.sleep(0.5)
+    time.sleep(3)  # inside the stage, past its start barrier
+    pid = pid_of(victim, audit)
+    assert pid is not None, f"process {victim} not found"
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the surviving processes did not stop within 120 s of the kill") from None
+    return {"seconds": time.monotonic() - killed, "returncode": proc.returncode, "stderr": err}
+
+
+def audit_writes(audit: Path) -> dict[str, set[str]]:
+    """relative path -> the process ids that wrote, renamed or removed it."""
+    writers: dict[str, set[str]] = {}
+    for f in audit.glob("process-*.tsv"):
+        process = f.name.split("-")[1]
+        for line in f.read_text().splitlines():
+            event, *paths = line.split("\t")
+            for path in paths:
+                if path != "-":
+                    writers.setdefault(path, set()).add(process)
+    return writers
