@@ -1,0 +1,270 @@
+"""`python -m jaxrag.serve` as a real server process on 127.0.0.1, driven by real clients (httpx,
+the `openai` client): answers and traces equal `SRRAG.ask([q])` alone under concurrent load; bad
+input, a full queue, a client leaving mid-stream, SIGTERM, and exports refused at start.
+
+One server (4 slots) serves the whole module; its export is `benchmarks.serve.tiny_export`
+(random weights, a MiniLM passage index, a datastore whose kNN sends about half the questions
+to each source)."""
+
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from benchmarks.serve import tiny_export, tiny_questions
+
+REPO = Path(__file__).resolve().parent.parent
+SLOTS, QUEUE, QUESTION_TOKENS = 4, 80, 64
+QUESTIONS = tiny_questions(64, seed=11)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(export: Path, port: int, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxrag.serve", str(export), "--port", str(port), *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("server not healthy in time")
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    return tiny_export(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(export):
+    """(base URL, process). The process is started first; `reference` runs while it compiles."""
+    port = free_port()
+    proc = start_server(export, port, "--slots", str(SLOTS), "--max-queue", str(QUEUE),
+                        "--max-question-tokens", str(QUESTION_TOKENS))
+    yield f"http://127.0.0.1:{port}", proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(export, server):
+    """Each question routed alone by `SRRAG.ask`, in this process."""
+    from jaxrag.serve import SRRAG
+
+    system = SRRAG.load(export)
+    return system, {q: system.ask([q])[0] for q in QUESTIONS}
+
+
+@pytest.fixture(scope="module")
+def url(server, reference):
+    base, proc = server
+    wait_healthy(proc, base)
+    return base
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def assert_same_route(trace: dict, answer: str, alone, sources) -> None:
+    assert (trace["source"], trace["knowledge"]["text"], answer) == (alone.source, alone.knowledge, alone.answer)
+    assert trace["knowledge"]["truncated"] == alone.knowledge_truncated
+    np.testing.assert_allclose([trace["p_M"][s] for s in sources], alone.p_model, rtol=1e-5)
+    assert [trace["p_D"][s] for s in sources] == alone.p_datastore
+
+
+def test_concurrent_answers_equal_each_question_alone(url, reference):
+    """64 clients at random arrival times, in random order, 4 slots: every answer and trace is
+    `SRRAG.ask([q])`'s for that question alone, and each question is answered exactly once."""
+    system, alone = reference
+    rng = random.Random(5)
+    order = rng.sample(QUESTIONS, len(QUESTIONS))
+    delays = np.cumsum([rng.expovariate(40.0) for _ in order])  # Poisson arrivals, 40/s
+
+    async def ask(client, q, delay):
+        await asyncio.sleep(delay)
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": q}]})
+        assert r.status_code == 200, r.text
+        return q, r.json()
+
+    async def load():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            return await asyncio.gather(*(ask(client, q, d) for q, d in zip(order, delays)))
+
+    answered = asyncio.run(load())
+    assert sorted(q for q, _ in answered) == sorted(QUESTIONS)
+    ids = {body["id"] for _, body in answered}
+    assert len(ids) == len(QUESTIONS)
+    sources = system.model.sources
+    for q, body in answered:
+        (choice,) = body["choices"]
+        assert_same_route(choice["srrag"], choice["message"]["content"], alone[q], sources)
+        assert set(choice["srrag"]["latency"]) >= {"queue", "T_d", "T_g"}
+        if choice["srrag"]["source"] == "wiki":
+            assert "T_r" in choice["srrag"]["latency"] and len(choice["srrag"]["knowledge"]["passages"]) == 2
+            titles = [p["title"] for p in choice["srrag"]["knowledge"]["passages"]]
+            assert all(f"(Title: {t})" in choice["srrag"]["knowledge"]["text"] for t in titles)
+        else:
+            assert "T_v" in choice["srrag"]["latency"] and choice["srrag"]["knowledge"]["passages"] is None
+    routes = [body["choices"][0]["srrag"]["source"] for _, body in answered]
+    assert routes.count("wiki") >= 16 and routes.count("self") >= 16, routes
+    assert metric(url, "srrag_busy_slots") == 0 and metric(url, "srrag_queue_depth") == 0
+
+
+def test_batch_route_and_openai_client(url, reference):
+    """/v1/srrag answers a list with the same traces; the openai client reads the extra field,
+    streams the same answer, and forces a source."""
+    system, alone = reference
+    batch = QUESTIONS[:6]
+    r = httpx.post(f"{url}/v1/srrag", json={"questions": batch}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [a["question"] for a in r.json()["answers"]] == batch
+    for a in r.json()["answers"]:
+        assert_same_route(a["srrag"], a["answer"], alone[a["question"]], system.model.sources)
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    q = QUESTIONS[0]
+    done = client.chat.completions.create(model="srrag", messages=[{"role": "user", "content": q}])
+    assert done.choices[0].message.content == alone[q].answer
+    assert done.choices[0].model_extra["srrag"]["source"] == alone[q].source
+    chunks = list(client.chat.completions.create(model="srrag", messages=[{"role": "user", "content": q}], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == alone[q].answer
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices[0].model_extra["srrag"]["source"] == alone[q].source
+    other = "self" if alone[q].source == "wiki" else "wiki"
+    forced = client.chat.completions.create(model="srrag", messages=[{"role": "user", "content": q}], max_tokens=5,
+                                            temperature=0.7, top_p=0.9, extra_body={"source": other, "k": 3})
+    trace = forced.choices[0].model_extra["srrag"]
+    assert trace["source"] == other and forced.usage.completion_tokens <= 5
+    assert sum(trace["p_D"].values()) == pytest.approx(1.0) and all(round(p * 3, 6) % 1 == 0 for p in trace["p_D"].values())
+
+
+@pytest.mark.parametrize("body, field", [
+    ('{"messages": [{"role": "user", "content": "Where', "malformed JSON"),
+    ({"messages": "Where is the river of Peru?"}, "messages"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "   "}]}, "empty"),
+    ({"messages": [{"role": "user", "content": "river " * 200}]}, "at most 64"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "source": "web"}, "source 'web'"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "k": 0}, "k 0"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "max_tokens": 100000}, "max_tokens"),
+    ({"questions": []}, "questions"),
+])
+def test_bad_request_gets_one_clear_4xx_and_the_server_keeps_serving(url, body, field):
+    route = "/v1/srrag" if "questions" in body else "/v1/chat/completions"
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(url + route, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert field in message and "\n" not in message, message
+    ok = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Where?"}],
+                                                         "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_full_queue_gets_429_with_retry_after(url):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            many = tiny_questions(QUEUE, seed=12)
+            filling = asyncio.create_task(client.post("/v1/srrag", json={"questions": many, "max_tokens": 8}))
+            while metric(url, "srrag_queue_depth") < QUEUE - SLOTS - 4:
+                await asyncio.sleep(0.05)
+            refused = await client.post("/v1/srrag", json={"questions": QUESTIONS[:10]})
+            return refused, await filling
+
+    refused, filled = asyncio.run(scenario())
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    assert "queue" in refused.json()["error"]["message"]
+    assert filled.status_code == 200 and len(filled.json()["answers"]) == QUEUE
+
+
+def test_a_client_leaving_mid_stream_frees_its_slot(url):
+    done, cancelled = metric(url, 'srrag_requests_total{outcome="done"}'), metric(url, 'srrag_requests_total{outcome="cancelled"}')
+    body = {"messages": [{"role": "user", "content": QUESTIONS[1]}], "stream": True, "source": "self"}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"content": "' in line and '"content": ""' not in line:
+                break  # the first piece of the answer: leave
+    deadline = time.monotonic() + 30
+    while metric(url, 'srrag_requests_total{outcome="cancelled"}') == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(url, 'srrag_requests_total{outcome="cancelled"}') == cancelled + 1
+    assert metric(url, 'srrag_requests_total{outcome="done"}') == done
+    assert metric(url, "srrag_busy_slots") == 0
+
+
+def test_nothing_compiles_while_serving(url):
+    """Every request above (routes of both sources, streams, sampling, forced sources, k) ran on
+    programs compiled before the port opened."""
+    assert metric(url, 'srrag_compiles_total{when="startup"}') > 0
+    assert metric(url, 'srrag_compiles_total{when="serving"}') == 0
+
+
+def test_sigterm_finishes_requests_in_flight_and_exits_0(url, server):
+    _, proc = server
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            flying = [asyncio.create_task(client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": q}]})) for q in QUESTIONS[:6]]
+            while metric(url, "srrag_busy_slots") < SLOTS:
+                await asyncio.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            with pytest.raises(httpx.TransportError):
+                await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Where?"}]})
+            return await asyncio.gather(*flying)
+
+    answers = asyncio.run(scenario())
+    assert [r.status_code for r in answers] == [200] * 6
+    assert all(r.json()["choices"][0]["message"]["content"] for r in answers)
+    assert proc.wait(timeout=60) == 0
+
+
+def test_broken_export_or_missing_index_is_refused_at_start(export, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken)
+    (broken / "srrag.json").write_text("{not json", encoding="utf-8")
+    no_index = tmp_path / "no_index"
+    shutil.copytree(export, no_index)
+    spec = json.loads((no_index / "srrag.json").read_text())
+    spec["index"] = str(tmp_path / "gone")
+    (no_index / "srrag.json").write_text(json.dumps(spec))
+    procs = [start_server(broken, free_port()), start_server(no_index, free_port()),
+             start_server(export, free_port(), "--index", str(tmp_path / "nowhere"))]
+    for proc, names in zip(procs, (["srrag.json", "not valid JSON"], ["gone"], ["nowhere"])):
+        _, err = proc.communicate(timeout=120)
+        lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), err
+        assert all(n in lines[0] for n in names), lines[0]
