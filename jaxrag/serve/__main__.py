@@ -11,6 +11,7 @@ start with one `error:` line.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"serving {export} on http://{args.host}:{args.port}: {args.slots} slots, queue {args.max_queue}, "
               f"{engine.metrics.counted['startup']} programs compiled in {time.perf_counter() - start:.0f} s",
               file=sys.stderr, flush=True)
+        # uvicorn drains the connections on SIGTERM, then raises the signal again under the handler
+        # it found: a no-op one lets the process end normally, exit code 0, once all is answered
+        signal.signal(signal.SIGTERM, lambda *_: None)
         uvicorn.run(create_app(engine, export.resolve().name), host=args.host, port=args.port, log_level="warning")
 
     run(serve)
