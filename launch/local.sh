@@ -59,8 +59,7 @@ fi
 
 mkdir -p "$LOGS"
 pids=()
-stop_all() { kill "${pids[@]}" 2>/dev/null || true; }
-trap 'stop_all; exit 130' INT TERM
+trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT TERM  # Ctrl-C stops every process
 for ((i = 0; i < PROCESSES; i++)); do
   echo "+ ${commands[i]} >> $LOGS/process-$i.log" >&2
   eval "${commands[i]}" >>"$LOGS/process-$i.log" 2>&1 &

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 SCRIPTS = sorted(LAUNCH.glob("*.sh"))
-LAUNCHERS = ["gpu_single.sh", "gpu_multihost.sh", "tpu_vm.sh"]
+LAUNCHERS = ["gpu_single.sh", "gpu_multihost.sh", "tpu_vm.sh", "local.sh"]
 
 # jaxrag.train arguments: plain words (so they appear verbatim) ...
 TRAIN = ["--config", "configs/qwen.py:tiny", "--workdir", "/mnt/shared/run",
@@ -157,6 +157,7 @@ DRY_RUNS = {  # the extra options of each launcher
     "env": ("gpu_multihost.sh", "env", "--hosts", "2", "--coordinator", "h0:1234", "--process-id", "1"),
     "tpu": ("tpu_vm.sh", *tpu_args("v4-16")),
     "tpu-git": ("tpu_vm.sh", *tpu_args("v4-16"), *GIT),
+    "local": ("local.sh", "--processes", "2"),
 }
 
 
@@ -172,7 +173,7 @@ def test_awkward_arguments_arrive_intact(name):
     script, *extra = DRY_RUNS[name]
     lines = dry_run(script, *extra, *AWKWARD)
     argvs = [a for a in (train_argv(shlex.split(line)) for line in lines) if a is not None]
-    assert argvs == [AWKWARD_ARGV]
+    assert argvs == [AWKWARD_ARGV] * (2 if name == "local" else 1)  # local: one per process
 
 
 def without_env(words):
@@ -195,7 +196,23 @@ def recorded_calls(log):
     return calls
 
 
-@pytest.mark.parametrize("name", DRY_RUNS)
+def test_local_runs_the_printed_commands_and_exits_with_the_worst_status(stubs, tmp_path):
+    """Each process runs its printed command in the background, logging to --logs; the launcher
+    waits for all and exits with the worst status (process 1's stub python exits 3)."""
+    (tmp_path / "bin" / "python").write_text(STUB + '[[ ${JAX_PROCESS_ID-} == 1 ]] && exit 3\nexit 0\n')
+    args = ["--processes", "2", "--devices-per-process", "2", "--logs", str(tmp_path / "logs"), *TRAIN]
+    printed = dry_run("local.sh", *args)
+    assert printed == [f"env JAX_COORDINATOR_ADDRESS=127.0.0.1:8476 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID={i} "
+                       f"JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 "
+                       f"python -m jaxrag.train {TRAIN_STR}" for i in range(2)]
+    proc = launch("local.sh", *args)
+    assert proc.returncode == 3, proc.stderr
+    assert f"process 1 exited with status 3: {tmp_path / 'logs'}/process-1.log" in proc.stderr
+    assert sorted(map(tuple, recorded_calls(stubs))) == sorted(tuple(without_env(shlex.split(line))) for line in printed)
+    assert {p.name for p in (tmp_path / "logs").iterdir()} == {"process-0.log", "process-1.log"}
+
+
+@pytest.mark.parametrize("name", [n for n in DRY_RUNS if n != "local"])  # local: the test above
 def test_run_executes_the_printed_commands(name, stubs):
     script, *extra = DRY_RUNS[name]
     printed = dry_run(script, *extra, *AWKWARD)

@@ -263,12 +263,14 @@ def save_model(model: Model, out) -> Path:
 
 def _restore_params(params_dir: Path, cfg: DecoderConfig) -> dict:
     _, abstract = abstract_decoder(cfg)
-    # Whole on this process's first device, as a Hugging Face load is: a checkpoint saved by a
-    # multi-process run would otherwise come back sharded over the processes that saved it.
+    # Whole on this process's first device, as a Hugging Face load is, and by this process alone
+    # (no barrier with the others): a checkpoint saved by a multi-process run would otherwise come
+    # back sharded over the processes that saved it, and every load would be a collective.
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), nnx.to_pure_dict(abstract))
+    alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(), active_processes={jax.process_index()})
     try:
-        with concurrency.ORBAX, ocp.StandardCheckpointer() as ckptr:
+        with concurrency.ORBAX, ocp.StandardCheckpointer(multiprocessing_options=alone) as ckptr:
             return ckptr.restore(params_dir.absolute(), target)
     except (FileNotFoundError, ValueError) as e:
         raise JaxragError(f"{params_dir}: cannot restore params ({e})") from None

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxrag import multihost
 from jaxrag.models.model import add_special_tokens
 from jaxrag.models.tokens import NONE, WIKI
 from jaxrag.pipeline import lanes
@@ -65,8 +66,11 @@ def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
     def with_datastore(name: str, train) -> Callable[[], None]:
         def piece():
             train()
-            if not (out / f"{name}_datastore").is_dir():
+            if multihost.is_leader() and not (out / f"{name}_datastore").is_dir():  # no collectives
                 build_policy_datastore(cfg, out / name / FINAL, records, out / f"{name}_datastore")
+            # the next piece's training starts together: a process arriving at a new collective
+            # waits at most 30 s for the others (gloo's rendezvous)
+            multihost.barrier(f"baselines:{name}")
         return piece
 
     def no_kv_label():
@@ -82,9 +86,10 @@ def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
     lanes.run_graph({"no_kv_label": (with_datastore("no_kv_label", no_kv_label), ()),
                      "no_dpo": (with_datastore("no_dpo", no_dpo), ()), "selective": (selective, ())},
                     int(cfg.pipeline.workers))
-    tmp = out / "done.json.tmp"
-    tmp.write_text(json.dumps({"selective": "selective", "no_kv_label": "no_kv_label", "no_dpo": "no_dpo"}) + "\n")
-    os.replace(tmp, out / "done.json")
+    if multihost.is_leader():
+        tmp = out / "done.json.tmp"
+        tmp.write_text(json.dumps({"selective": "selective", "no_kv_label": "no_kv_label", "no_dpo": "no_dpo"}) + "\n")
+        os.replace(tmp, out / "done.json")
     return out
 
 

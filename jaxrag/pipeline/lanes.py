@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from jaxrag import multihost
 from jaxrag.concurrency import STOP, Stopped, enter_graph, leave_graph
 
 
@@ -32,7 +33,7 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
     unknown = {d for _, deps in tasks.values() for d in deps} - set(tasks)
     if unknown:
         raise ValueError(f"dependencies {sorted(unknown)} are not tasks")
-    if workers <= 1:
+    if workers <= 1 or multihost.is_multiprocess():  # its processes issue their collectives in one order
         for fn, _ in tasks.values():
             fn()
         return

@@ -97,9 +97,10 @@ def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
 
 
 # Stages that run on process 0 alone in a multi-process run (the others wait at the barrier after
-# it): they run no program on the mesh. Every other stage runs on every process, one program over
-# the mesh of all processes' devices, and process 0 alone writes what it makes.
-LEADER_STAGES = ("world", "index")
+# it): they run no program on the mesh (inference models are whole on each process's first device).
+# Every other stage runs on every process (training on the mesh of all processes' devices;
+# construct's shards split by process), and what is not a process's own shard, process 0 writes.
+LEADER_STAGES = ("world", "index", "datastore", "eval")
 
 
 def input_files(cfg: ConfigDict) -> dict[str, str]:
@@ -194,14 +195,12 @@ def write_config(cfg: ConfigDict, workdir: Path) -> None:
 
 
 def _workers(cfg: ConfigDict, user_set=()) -> int:
-    """Stages at a time: the config's, or one on a multi-process run (whose processes must issue
-    their collectives in one order) unless the command line asked for more, which is refused."""
+    """Stages at a time. A multi-process run takes one at a time (`lanes.run_graph`: its processes
+    issue their collectives in one order); more, asked for on its command line, is refused."""
     workers = int(cfg.pipeline.workers)
     if workers < 1:
         raise JaxragError(f"--config.pipeline.workers={workers}: must be at least 1")
-    if workers > 1 and jax.process_count() > 1 and "pipeline.workers" not in user_set:
-        return 1
-    if workers > 1 and jax.process_count() > 1:
+    if workers > 1 and jax.process_count() > 1 and "pipeline.workers" in user_set:
         raise JaxragError(f"--config.pipeline.workers={workers}: the {jax.process_count()} processes of a multi-host "
                           "run must issue their collectives in one order; set --config.pipeline.workers=1")
     return workers
