@@ -263,7 +263,7 @@ def test_broken_export_or_missing_index_is_refused_at_start(export, tmp_path):
     (no_index / "srrag.json").write_text(json.dumps(spec))
     procs = [start_server(broken, free_port()), start_server(no_index, free_port()),
              start_server(export, free_port(), "--index", str(tmp_path / "nowhere"))]
-    for proc, names in zip(procs, (["srrag.json", "not valid JSON"], ["gone"], ["nowhere"])):
+    for proc, names in zip(procs, (["srrag.json", "not valid JSON"], ["srrag.json: index", "gone"], ["--index", "nowhere"])):
         _, err = proc.communicate(timeout=120)
         lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line]
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), err

@@ -7,10 +7,11 @@ next free cache column (`write`) and position, in the same per-layer cache layou
 
     insert(pool, state, row)              a batch-1 prefill (`sampler.extend`) becomes row `row`
     prefill_row(decoder, pool, row, ...)  appends a left-padded chunk to one row (knowledge, tail)
-    step(decoder, pool, live, ...)        picks each live row's next token and appends it: one
+    steps(decoder, pool, live, ...)       decode steps until a row ends (or a step count): each
+                                          picks every live row's next token and appends it, one
                                           forward pass over every slot, the cache read once
 
-A row is a batch-1 `DecodeState` (leading axis = slot), so `step` is `sampler._extend` mapped
+A row is a batch-1 `DecodeState` (leading axis = slot), so a step is `sampler._extend` mapped
 over the slots and a row's tokens land in the same columns, at the same positions, as in a
 batch of its own. Every call takes the pool donated (updated in place; use the one returned).
 """
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrag.decode.sampler import DecodeState, _extend, nucleus
+from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, nucleus
 from jaxrag.models.decoder import Decoder, init_cache
 from jaxrag.models.kv_cache import KVCache, LayerCache
 
@@ -93,13 +94,31 @@ def sample_rows(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p
     return jnp.where(sampled, drawn, greedy)
 
 
-@partial(nnx.jit, donate_argnums=1)
-def step(decoder: Decoder, pool: SlotPool, live, temperature, top_p, key):
-    """One decode step over every slot: each live row's next token (`sample_rows`) is appended to
-    its cache; other rows keep their state. Returns (pool, tokens [slots])."""
-    tokens = sample_rows(pool.logits, key, temperature, top_p)
-    rows = _rows(pool)
-    new = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])(
-        rows, jnp.where(live, tokens, 0)[:, None, None], live[:, None, None])
-    # An idle row's state is kept: its column is not consumed (what was written there stays masked).
-    return _pool(new._replace(slot=jnp.where(live, new.slot, rows.slot))), tokens
+@partial(nnx.jit, static_argnames=("max_steps",), donate_argnums=1)
+def steps(decoder: Decoder, pool: SlotPool, live, stop_ids, budget, temperature, top_p, key, max_steps: int):
+    """Decode steps over every slot in a `lax.while_loop`, until a live row ends (emits one of its
+    `stop_ids` [slots, n], NO_TOKEN-padded, or reaches its `budget` [slots] of tokens) or after
+    `max_steps`: each step picks each live row's next token (`sample_rows`) and appends it to the
+    row's cache; other rows keep their state. A row's tokens are those of `sampler.decode` for it
+    alone. Returns (pool, tokens [slots, max_steps] (NO_TOKEN where none), steps run)."""
+    slots = budget.shape[0]
+
+    def cond(carry):
+        step, _, _, ended = carry
+        return (step < max_steps) & ~jnp.any(ended)
+
+    def body(carry):
+        step, pool, tokens, _ = carry
+        tok = sample_rows(pool.logits, jax.random.fold_in(key, step), temperature, top_p)
+        rows = _rows(pool)
+        new = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])(
+            rows, jnp.where(live, tok, 0)[:, None, None], live[:, None, None])
+        # An idle row's state is kept: its column is not consumed (what was written there stays masked).
+        pool = _pool(new._replace(slot=jnp.where(live, new.slot, rows.slot)))
+        tokens = tokens.at[:, step].set(jnp.where(live, tok, NO_TOKEN))
+        ended = live & (jnp.any(tok[:, None] == stop_ids, axis=-1) | (step + 1 >= budget))
+        return step + 1, pool, tokens, ended
+
+    init = (jnp.zeros((), jnp.int32), pool, jnp.full((slots, max_steps), NO_TOKEN, jnp.int32), jnp.zeros((slots,), bool))
+    count, pool, tokens, _ = jax.lax.while_loop(cond, body, init)
+    return pool, tokens, count

@@ -61,14 +61,15 @@ def main(argv: list[str] | None = None) -> None:
     def serve():
         # jax, the model and the web stack load once the arguments are good: --help stays instant
         import uvicorn
-
-        from jaxrag.serve import SRRAG
+        from jaxrag.serve import SERVING_FILE, SRRAG, read_serving_spec
         from jaxrag.serve.engine import Engine
         from jaxrag.serve.http import create_app
 
         export = Path(args.export_dir)
-        if args.index is not None and not Path(args.index).is_dir():
-            raise JaxragError(f"--index {args.index}: no such index directory")
+        index = args.index or read_serving_spec(export)["index"]
+        if not Path(index).is_dir():  # refused before the model loads
+            where = "--index" if args.index else f"{export / SERVING_FILE}: index"
+            raise JaxragError(f"{where} {index}: no such index directory")
         start = time.perf_counter()
         try:
             system = SRRAG.load(export, index=args.index)

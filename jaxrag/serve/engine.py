@@ -7,8 +7,8 @@
        <None>  -> nothing
             -> knowledge chunk + `<EOK> Answer:` into the row, then answer steps  (T_g)
 
-One engine thread runs the loop: admit what fits, hand finished retrievals back, one `slots.step`
-over every row that is decoding, repeat. Retrieval runs on its own thread, so a row waiting for
+One engine thread runs the loop: admit what fits, hand finished retrievals back, decode steps
+over every row that is decoding (`slots.steps`, until a row ends its phase), repeat. Retrieval runs on its own thread, so a row waiting for
 passages never stalls the others, and questions that need passages at the same time share one
 encoder + index call. Every prefill and decode shape is bucketed and compiled by `warm_up`
 before the first request; `compiles` counts the programs traced after it (zero while serving).
@@ -20,70 +20,27 @@ buckets, cache columns and positions), so greedy answers and traces equal `SRRAG
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrag.decode.policy import PolicyInputs, source_probabilities
 from jaxrag.decode.routing import Routed, answer_text, knowledge_chunk, knowledge_text, phase_lengths
-from jaxrag.decode.sampler import bucket, extend, init_state, left_pad
-from jaxrag.decode.slots import init_pool, insert, prefill_row, step
+from jaxrag.decode.sampler import NO_TOKEN, bucket, extend, init_state, left_pad, stop_matrix
+from jaxrag.decode.slots import init_pool, insert, prefill_row, steps
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import EOK, NONE, SELF, source_token
 from jaxrag.policies.srrag import srrag_policy
 from jaxrag.prompts import answer_prefix_ids, prompt_ids
+from jaxrag.serve.jobs import Answer, Job, Options, QueueFull
 from jaxrag.serve.metrics import Metrics
 
 MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
-
-
-class QueueFull(Exception):
-    """The waiting queue holds `max_queue` requests."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """Per-request settings; None = the export's."""
-
-    source: str | None = None  # forced knowledge source (skips the policy's choice)
-    k: int | None = None  # neighbours for p_D
-    max_tokens: int | None = None  # answer tokens
-    temperature: float = 0.0  # 0 = greedy, as evaluated
-    top_p: float = 1.0
-
-
-@dataclasses.dataclass
-class Answer:
-    """A finished request: the route as `SRRAG.ask` returns it, and the passages' ids and titles."""
-
-    routed: Routed
-    passages: list[dict] | None
-    finish_reason: str  # "stop" (EOS) or "length"
-    completion_tokens: int
-
-
-class Job:
-    """One question in flight. `listener(kind, value)` is called on the engine's threads:
-    ("delta", answer text), then ("done", Answer) or ("error", message)."""
-
-    def __init__(self, question: str, prompt: list[int], options: Options, listener: Callable):
-        self.question, self.prompt, self.options, self.listener = question, prompt, options, listener
-        self.cancelled = False
-        self.slot: int | None = None
-        self.submitted = time.perf_counter()
-        self.latency: dict[str, float] = {}
-        self.phase = "queued"
-        self.tokens: list[int] = []
-        self.verbal: list[int] = []
-        self.verbal_stopped = False
-        self.passages: list[str] | None = None
-        self.hits = None
-        self.sent = ""  # answer text streamed so far
+# Decode steps per call at most: a call also ends as soon as a row ends its phase, so a waiting
+# request joins within this many steps, and the host's work per call is spread over them.
+STEPS_PER_CALL = 16
 
 
 class Engine:
@@ -107,7 +64,7 @@ class Engine:
         self.found: list[tuple[Job, list]] = []
         self.to_retrieve: list[Job] = []
         self.cv, self.retrieval_cv = threading.Condition(), threading.Condition()
-        self.stopping, self.stopped, self.steps, self.key = False, False, 0, jax.random.key(0)
+        self.stopping, self.stopped, self.dispatches, self.key = False, False, 0, jax.random.key(0)
         self.metrics = Metrics(self)
         self.threads = [threading.Thread(target=self._loop, name="srrag-engine", daemon=True),
                         threading.Thread(target=self._retrieve_loop, name="srrag-retrieval", daemon=True)]
@@ -180,7 +137,7 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles every program a request can run, before the first one: the question prefill
         and source token per prompt bucket (with the datastore search), the knowledge chunk per
-        chunk bucket, the pool step, and the retriever per encoder length bucket."""
+        chunk bucket, the pool's decode steps, and the retriever per encoder length bucket."""
         filler = self.tail[-1]
         for plen in self.prompt_buckets:
             state, p_src, hidden = self._select([filler] * plen)
@@ -189,7 +146,9 @@ class Engine:
         for width in self.chunk_buckets:
             ids, mask = left_pad([[filler] * width], width, 1)
             self.pool = prefill_row(self.dec, self.pool, jnp.int32(0), jnp.asarray(ids), jnp.asarray(mask))
-        self._run_step(np.ones(self.slots, bool), np.full(self.slots, 0.5, np.float32), np.full(self.slots, 0.9, np.float32))
+        self._run_steps(np.ones(self.slots, bool), np.full((self.slots, 2), NO_TOKEN, np.int32),
+                        np.ones(self.slots, np.int32), np.full(self.slots, 0.5, np.float32),
+                        np.full(self.slots, 0.9, np.float32))
         encoder = self.system.retriever.encoder
         for length in encoder.buckets():
             words = max(1, length - 2)
@@ -229,7 +188,11 @@ class Engine:
                 if self.rows[job.slot] is job and not job.cancelled:
                     self._guarded(job, lambda j: self._retrieved(j, hits))
             if any(j is not None and j.phase in ("verbalize", "answer") for j in self.rows):
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # the pool is lost with the call: its rows fail, the engine goes on
+                    for job in [j for j in self.rows if j is not None and j.phase in ("verbalize", "answer")]:
+                        self._fail(job, e)
 
     def _work(self) -> bool:
         return bool(self.found or (self.waiting and None in self.rows)
@@ -239,10 +202,12 @@ class Engine:
         try:
             fn(job)
         except Exception as e:  # one request's failure is its own; the engine keeps serving
-            message = str(e) if isinstance(e, JaxragError) else f"internal error: {type(e).__name__}: {e}"
-            with self.cv:
-                self._free(job, "error")
-            job.listener("error", message)
+            self._fail(job, e)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        with self.cv:
+            self._free(job, "error")
+        job.listener("error", str(e) if isinstance(e, JaxragError) else f"internal error: {type(e).__name__}: {e}")
 
     def _free(self, job: Job, outcome: str) -> None:
         if job.slot is not None and self.rows[job.slot] is job:
@@ -310,16 +275,20 @@ class Engine:
 
     def _step(self) -> None:
         live = np.array([j is not None and j.phase in ("verbalize", "answer") for j in self.rows])
-        temperature = np.array([j.options.temperature if on else 0.0 for j, on in zip(self.rows, live)], np.float32)
-        top_p = np.array([j.options.top_p if on else 1.0 for j, on in zip(self.rows, live)], np.float32)
+        rows = [(j if on else None) for j, on in zip(self.rows, live)]
+        stops = stop_matrix([j.stops if j else [] for j in rows], self.slots)
+        stops = np.pad(stops, ((0, 0), (0, 2 - stops.shape[1])), constant_values=NO_TOKEN)  # one width: one program
+        budget = np.array([j.budget - len(j.tokens) if j else 0 for j in rows], np.int32)
+        temperature = np.array([j.options.temperature if j else 0.0 for j in rows], np.float32)
+        top_p = np.array([j.options.top_p if j else 1.0 for j in rows], np.float32)
         start = time.perf_counter()
-        tokens = self._run_step(live, temperature, top_p)
-        self.metrics.stepped(time.perf_counter() - start, int(live.sum()))
+        tokens = self._run_steps(live, stops, budget, temperature, top_p)
+        self.metrics.stepped(time.perf_counter() - start, int((tokens != NO_TOKEN).sum()))
         for slot in np.flatnonzero(live):
             job = self.rows[slot]
-            tok = int(tokens[slot])
-            job.tokens.append(tok)
-            hit = tok in job.stops
+            new = [int(t) for t in tokens[slot] if t != NO_TOKEN]
+            job.tokens += new
+            hit = bool(new) and new[-1] in job.stops
             if job.phase == "answer":
                 self._stream(job)
             if hit or len(job.tokens) >= job.budget:
@@ -330,10 +299,11 @@ class Engine:
                 else:
                     self._finish(job, "stop" if hit else "length")
 
-    def _run_step(self, live: np.ndarray, temperature: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-        self.pool, tokens = step(self.dec, self.pool, jnp.asarray(live), jnp.asarray(temperature),
-                                 jnp.asarray(top_p), jax.random.fold_in(self.key, self.steps))
-        self.steps += 1
+    def _run_steps(self, live, stops, budget, temperature, top_p) -> np.ndarray:
+        self.pool, tokens, _ = steps(self.dec, self.pool, jnp.asarray(live), jnp.asarray(stops), jnp.asarray(budget),
+                                     jnp.asarray(temperature), jnp.asarray(top_p),
+                                     jax.random.fold_in(self.key, self.dispatches), max_steps=STEPS_PER_CALL)
+        self.dispatches += 1
         return np.asarray(tokens)
 
     def _stream(self, job: Job) -> None:
@@ -354,7 +324,7 @@ class Engine:
                         latency=dict(job.latency))
         with self.cv:
             self._free(job, "done")
-        self.metrics.answered(job, len(job.tokens))
+        self.metrics.answered(job.latency)
         job.listener("done", Answer(routed, job.hits, reason, len(job.tokens)))
 
     # --- the retrieval thread ----------------------------------------------------------------
@@ -371,9 +341,7 @@ class Engine:
                 found = self.search([j.question for j in batch])
             except Exception as e:  # every row of the batch fails; the others keep going
                 for job in batch:
-                    with self.cv:
-                        self._free(job, "error")
-                    job.listener("error", f"retrieval failed: {e}")
+                    self._fail(job, JaxragError(f"retrieval failed: {e}"))
                 continue
             with self.cv:
                 self.found.extend(zip(batch, found))

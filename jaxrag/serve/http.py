@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxrag.errors import JaxragError
-from jaxrag.serve.engine import Answer, Engine, Job, Options, QueueFull
+from jaxrag.serve.engine import Engine
+from jaxrag.serve.jobs import Answer, Job, Options, QueueFull
 
 RETRY_AFTER_S = 1
 

@@ -24,7 +24,7 @@ class Metrics:
         Gauge("srrag_tokens_per_second", f"tokens generated per second over the last {TOKENS_WINDOW_S:.0f} s",
               registry=r).set_function(self.tokens_per_second)
         self.tokens = Counter("srrag_tokens", "tokens generated (verbalizations and answers)", registry=r)
-        self.steps = Histogram("srrag_step_seconds", "one decode step over the pool", buckets=BUCKETS, registry=r)
+        self.steps = Histogram("srrag_step_seconds", "one call of decode steps over the pool (until a row ends its phase)", buckets=BUCKETS, registry=r)
         self.phase = Histogram("srrag_phase_seconds", "a request's phase latency (queue, T_d, T_r, T_v, T_g)",
                                ["phase"], buckets=BUCKETS, registry=r)
         self.requests = Counter("srrag_requests", "requests by outcome", ["outcome"], registry=r)
@@ -62,8 +62,8 @@ class Metrics:
         with self.lock:
             return sum(n for t, n in self.recent if t >= now - TOKENS_WINDOW_S) / TOKENS_WINDOW_S
 
-    def answered(self, job, _tokens: int) -> None:
-        for phase, seconds in job.latency.items():
+    def answered(self, latency: dict[str, float]) -> None:
+        for phase, seconds in latency.items():
             self.phase.labels(phase).observe(seconds)
 
     def finished(self, outcome: str) -> None:

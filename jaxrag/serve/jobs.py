@@ -1,0 +1,56 @@
+"""What a request is inside the engine: its options, its state while in flight, its answer."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from jaxrag.decode.routing import Routed
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `max_queue` requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Per-request settings; None = the export's."""
+
+    source: str | None = None  # forced knowledge source (skips the policy's choice)
+    k: int | None = None  # neighbours for p_D
+    max_tokens: int | None = None  # answer tokens
+    temperature: float = 0.0  # 0 = greedy, as evaluated
+    top_p: float = 1.0
+
+
+@dataclasses.dataclass
+class Answer:
+    """A finished request: the route as `SRRAG.ask` returns it, and the passages' ids and titles."""
+
+    routed: Routed
+    passages: list[dict] | None
+    finish_reason: str  # "stop" (EOS) or "length"
+    completion_tokens: int
+
+
+class Job:
+    """One question in flight. `listener(kind, value)` is called on the engine's threads:
+    ("delta", answer text), then ("done", Answer) or ("error", message)."""
+
+    def __init__(self, question: str, prompt: list[int], options: Options, listener: Callable):
+        self.question, self.prompt, self.options, self.listener = question, prompt, options, listener
+        self.cancelled = False
+        self.slot: int | None = None
+        self.submitted = time.perf_counter()
+        self.latency: dict[str, float] = {}
+        self.phase = "queued"
+        self.tokens: list[int] = []
+        self.verbal: list[int] = []
+        self.verbal_stopped = False
+        self.passages: list[str] | None = None
+        self.hits = None
+        self.sent = ""  # answer text streamed so far
+        # set at admission and at each phase change
+        self.source, self.p_model, self.p_datastore, self.score = None, None, None, None
+        self.budget, self.stops, self.truncated, self.phase_start = 0, [], False, 0.0
