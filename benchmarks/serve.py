@@ -1,14 +1,37 @@
 """Serving SR-RAG under open-loop load: `python -m jaxrag.serve` against static batches of `SRRAG.ask`.
 
-    python -m benchmarks.serve --json OUT [--export DIR] [--slots 8] [--requests 96] [--rates 1,2,4,8]
+    python -m benchmarks.serve --json OUT [--export DIR] [--slots 8] [--requests 64] [--fractions 0.35,0.7,1,1.5]
 
-TINY_EXPORT_DOC
+Requests arrive as a Poisson process (open loop: arrivals never wait for answers), each a
+distinct question. Three systems answer the same arrivals:
+
+    static     `SRRAG.ask` in this process, in static batches of up to `slots` questions: whenever
+               it is idle it takes the requests that have arrived (the rest queue), answers them
+               in one batch and returns all of them together (no streaming: TTFT = latency)
+    server     `python -m jaxrag.serve EXPORT --slots N` on 127.0.0.1, streamed chat completions
+    retrieval  the same server with every request forced to `<Wiki>` (retrieval always on)
+
+First each system's saturation throughput is measured with every request arriving at once; then
+the rates are fractions of static batching's saturation rate. Per run: throughput (answers/s
+from the first arrival to the last answer), p50/p99 latency and TTFT (s), and the busy-slot
+fraction (time-averaged share of the slots holding a request). Goals on a CPU (issue 71):
+saturation throughput >= 1.5x static, and p99 latency at 0.7x static's saturation rate <= 0.5x
+static's. Without --export it builds `tiny_export` (random weights; about half the questions
+route to each source) in a temporary directory. Compilation is excluded: the server compiles
+before its port opens, and static batching runs every question once before it is measured.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -27,7 +50,9 @@ from jaxrag.models.params import build_decoder
 from jaxrag.prompts import prompt_ids
 from jaxrag.retrieval.datastore import build_datastore
 from jaxrag.retrieval.retriever import build_passage_index
-from jaxrag.serve import write_serving_files
+from jaxrag.serve import SRRAG, write_serving_files
+
+from benchmarks.common import Parser, environment, positive_int, write_json
 
 TOPICS = ["river", "castle", "violin", "glacier", "comet", "harbor", "orchard", "lantern", "falcon", "canyon",
           "library", "volcano", "meadow", "compass", "island", "bridge"]
@@ -103,3 +128,158 @@ def tiny_export(out: Path, *, route: RouteConfig | None = None, seed: int = 0, d
     tau, k = 0.5 * float(np.median(p_wiki)), 5
     return export_hf(model, out / "export", extra=lambda d: write_serving_files(
         d, out / "datastore", tau=tau, k=k, route_cfg=route, index_dir=out / "index", encoder=None, n_passages=2))
+
+
+def arrivals(n: int, rate: float, rng: random.Random) -> np.ndarray:
+    """Poisson arrival times (s) of n requests at `rate` per second (inf: all at 0)."""
+    if rate == float("inf"):
+        return np.zeros(n)
+    return np.cumsum([rng.expovariate(rate) for _ in range(n)])
+
+
+def summary(arrived: np.ndarray, first: np.ndarray, done: np.ndarray, busy: float) -> dict:
+    latency, ttft = done - arrived, first - arrived
+    return {"throughput": round(len(done) / float(done.max() - arrived.min()), 3),
+            "p50_s": round(float(np.percentile(latency, 50)), 4), "p99_s": round(float(np.percentile(latency, 99)), 4),
+            "ttft_p50_s": round(float(np.percentile(ttft, 50)), 4), "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
+            "busy_fraction": round(busy, 3)}
+
+
+def run_static(system: SRRAG, questions: list[str], times: np.ndarray, slots: int) -> dict:
+    """Static batching: when idle, answer every arrived request (up to `slots`) in one `ask`."""
+    pending, done, busy = list(range(len(questions))), np.zeros(len(questions)), 0.0
+    start = time.perf_counter()
+    while pending:
+        now = time.perf_counter() - start
+        if times[pending[0]] > now:
+            time.sleep(times[pending[0]] - now)
+            now = time.perf_counter() - start
+        batch = [i for i in pending if times[i] <= now][:slots]
+        system.ask([questions[i] for i in batch])
+        end = time.perf_counter() - start
+        busy += (end - now) * len(batch) / slots
+        done[batch] = end
+        pending = [i for i in pending if i not in batch]
+    return summary(times, done, done, busy / float(done.max()))
+
+
+async def _serve_load(url: str, questions: list[str], times: np.ndarray, source: str | None) -> tuple:
+    import httpx  # the benchmark's client, as the tests'
+
+    first, done = np.zeros(len(questions)), np.zeros(len(questions))
+    samples: list[float] = []
+    start = time.perf_counter()
+
+    async def one(client, i):
+        await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
+        body = {"messages": [{"role": "user", "content": questions[i]}], "stream": True,
+                **({"source": source} if source else {})}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not first[i] and '"content": "' in line and '"content": ""' not in line:
+                    first[i] = time.perf_counter() - start
+        done[i] = time.perf_counter() - start
+        first[i] = first[i] or done[i]  # an empty answer: its first token is its end
+
+    async def watch(client):
+        while True:
+            health = (await client.get("/health")).json()
+            samples.append(health["busy"] / health["slots"])
+            await asyncio.sleep(0.05)
+
+    limits = httpx.Limits(max_connections=len(questions) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        watcher = asyncio.create_task(watch(client))
+        await asyncio.gather(*(one(client, i) for i in range(len(questions))))
+        watcher.cancel()
+    return first, done, float(np.mean(samples)) if samples else 0.0
+
+
+def run_server(url: str, questions: list[str], times: np.ndarray, source: str | None = None) -> dict:
+    first, done, busy = asyncio.run(_serve_load(url, questions, times, source))
+    return summary(times, first, done, busy)
+
+
+def start_server(export: Path, slots: int, queue: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxrag.serve", str(export), "--port", str(port), "--slots",
+                             str(slots), "--max-queue", str(queue)], stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # one line once every program is compiled, just before the port opens
+        if line.startswith("serving "):
+            break
+        if line.startswith("error:"):
+            raise SystemExit(f"python -m benchmarks.serve: {line.strip()}")
+    url = f"http://127.0.0.1:{port}"
+    import httpx  # the benchmark's client, as the tests'
+
+    for _ in range(600):
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+            return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise SystemExit("python -m benchmarks.serve: error: the server did not open its port")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = Parser(prog="python -m benchmarks.serve", description=__doc__)
+    parser.add_argument("--json", required=True, metavar="OUT", help="where to write the result (JSON)")
+    parser.add_argument("--export", default=None, help="an SR-RAG export (default: tiny_export, built here)")
+    parser.add_argument("--slots", type=positive_int, default=8)
+    parser.add_argument("--requests", type=positive_int, default=64, help="requests per run")
+    parser.add_argument("--fractions", default="0.35,0.7,1,1.5",
+                        help="arrival rates as fractions of static batching's saturation rate")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not Path(args.json).parent.is_dir():
+        parser.error(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    try:
+        fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        parser.error(f"--fractions {args.fractions!r}: expected numbers separated by commas")
+    if not fractions or min(fractions) <= 0:
+        parser.error(f"--fractions {args.fractions!r}: expected positive numbers")
+    with tempfile.TemporaryDirectory(prefix="jaxrag-serve-bench-") as tmp:
+        export = Path(args.export) if args.export else tiny_export(Path(tmp))
+        return measure(args, export, fractions)
+
+
+def measure(args, export: Path, fractions: list[float]) -> dict:
+    questions = tiny_questions(args.requests, args.seed + 100)
+    system = SRRAG.load(export)
+    for start in range(0, len(questions), args.slots):  # static batching's programs, compiled first
+        system.ask(questions[start:start + args.slots])
+    for n in sorted({1 << i for i in range(args.slots.bit_length())} - {args.slots}):
+        system.ask(questions[:n])
+    proc, url = start_server(export, args.slots, args.requests)
+    rng = random.Random(args.seed)
+    try:
+        at_once = arrivals(len(questions), float("inf"), rng)
+        saturation = {"static": run_static(system, questions, at_once, args.slots),
+                      "server": run_server(url, questions, at_once),
+                      "retrieval": run_server(url, questions, at_once, "wiki")}
+        rate = saturation["static"]["throughput"]
+        runs = []
+        for f in fractions:
+            times = arrivals(len(questions), f * rate, rng)
+            runs.append({"fraction": f, "rate": round(f * rate, 3),
+                         "static": run_static(system, questions, times, args.slots),
+                         "server": run_server(url, questions, times),
+                         "retrieval": run_server(url, questions, times, "wiki")})
+    finally:
+        proc.terminate()
+        proc.wait()
+    at70 = min(runs, key=lambda r: abs(r["fraction"] - 0.7))
+    goals = {"saturation_ratio": round(saturation["server"]["throughput"] / saturation["static"]["throughput"], 3),
+             "p99_ratio_at_0.7": round(at70["server"]["p99_s"] / at70["static"]["p99_s"], 3)}
+    goals["met"] = goals["saturation_ratio"] >= 1.5 and goals["p99_ratio_at_0.7"] <= 0.5
+    result = {"export": str(export), "slots": args.slots, "requests": len(questions), "tau": system.tau,
+              "environment": environment(), "saturation": saturation, "runs": runs, "goals": goals}
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

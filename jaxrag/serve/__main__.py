@@ -20,16 +20,6 @@ from jaxrag.errors import JaxragError, run
 from jaxrag.prompts import answer_prefix_ids
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def question_limit(system, requested: int) -> int:
     """Prompt tokens a question may take: what the model's length leaves after the largest
     verbalization, knowledge and answer, capped at `requested` (which bounds the buckets compiled)."""
@@ -51,14 +41,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("export_dir", help="an SR-RAG export (`W/export`, with srrag.json)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--slots", type=positive, default=8, help="decode slots (requests decoded at once)")
-    parser.add_argument("--max-queue", type=positive, default=256, help="requests waiting for a slot before 429")
+    parser.add_argument("--slots", type=int, default=8, help="decode slots (requests decoded at once)")
+    parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429")
     parser.add_argument("--index", default=None, help="passage index (default: the one srrag.json names)")
-    parser.add_argument("--max-question-tokens", type=positive, default=256,
+    parser.add_argument("--max-question-tokens", type=int, default=256,
                         help="longest question prompt served; prompt buckets up to it are compiled at start")
     args = parser.parse_args(argv)
 
     def serve():
+        for flag in ("slots", "max_queue", "max_question_tokens"):
+            if getattr(args, flag) < 1:
+                raise JaxragError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
         # jax, the model and the web stack load once the arguments are good: --help stays instant
         import uvicorn
         from jaxrag.serve import SERVING_FILE, SRRAG, read_serving_spec

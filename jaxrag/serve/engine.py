@@ -8,13 +8,16 @@
             -> knowledge chunk + `<EOK> Answer:` into the row, then answer steps  (T_g)
 
 One engine thread runs the loop: admit what fits, hand finished retrievals back, decode steps
-over every row that is decoding (`slots.steps`, until a row ends its phase), repeat. Retrieval runs on its own thread, so a row waiting for
-passages never stalls the others, and questions that need passages at the same time share one
-encoder + index call. Every prefill and decode shape is bucketed and compiled by `warm_up`
-before the first request; `compiles` counts the programs traced after it (zero while serving).
+over every decoding row (`slots.steps`, on device until a row ends its phase), repeat. Retrieval
+runs on its own thread, so a row waiting for passages never stalls the others, and questions
+that need passages at the same time share one encoder + index call. Every prefill and decode
+shape is bucketed and compiled by `warm_up` before the first request; the metrics count the
+programs traced after it (zero while serving).
 
-A row's tokens are computed as `route` computes them for that question alone (the same prompt
-buckets, cache columns and positions), so greedy answers and traces equal `SRRAG.ask([q])`.
+A row's question prefill and source choice run the very programs `route` runs for that question
+alone (same prompt bucket, cache length, columns and positions), and its decode steps compute what
+`sampler.decode` computes for it alone, in a wider batch: greedy answers and traces equal
+`SRRAG.ask([q])` (`tests/test_serve.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
