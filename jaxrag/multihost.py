@@ -1,20 +1,19 @@
 """What the processes of one multi-host run agree on, and how a lost process stops the others.
 
-Every process of a run issues the same collectives in the same order (one program, SPMD); the
-pipeline adds three things on top of JAX's runtime (`jax.distributed`), all through the
-coordinator's key-value store, so that none of them waits on a device collective:
+Every process of a run issues the same collectives in the same order (one program, SPMD); on top
+of JAX's runtime (`jax.distributed`) the pipeline adds:
 
-- `agree_at_start`: before any work, every process publishes what it was started with (the
-  config, the digests of the files it reads, a token process 0 wrote into the workdir); a
-  process whose view differs from process 0's is refused, by every process, with one line.
-- a watchdog thread: each process counts a heartbeat in the store every second; a peer whose
-  count has not moved for `SILENCE_S` seconds, or that reported its own failure, or a
-  coordinator that no longer answers, stops this process with one line naming the lost process
-  and the stage it was in (`stage`), exit status `LOST_EXIT`. JAX's own detection (its
-  heartbeat timeout, 100 s) would abort with a stack trace; a collective waiting on a dead peer
-  would wait for ever.
-- `report_failure`: a process that fails says so in the store before it exits, so its peers
-  name the error instead of waiting for its silence.
+- `agree_at_start`: before any work, every process publishes, in the coordinator's key-value
+  store, what it was started with (the config, the digests of the files it reads, whether it
+  sees a token process 0 wrote into the workdir); a process whose view differs from process 0's
+  is refused, by every process, with one line.
+- `start_watchdog`: a child process beside each process (`jaxrag.watchdog`) that stops it with
+  one line naming the lost process and the stage it was in (`stage`) when a peer dies or fails:
+  a process blocked in a collective whose peer died would wait for ever, deaf to its own
+  threads, and JAX's own heartbeat timeout (100 s) aborts with a stack trace.
+- `report_failure`: a process that fails tells its watchdog before it exits, so its peers name
+  its error instead of waiting for its silence.
+- `barrier`: every process reaches a point before any goes on (before and after each stage).
 
 In a single-process run every function here is a no-op.
 """
@@ -24,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 

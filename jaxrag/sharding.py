@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrag import multihost
 from jaxrag.errors import JaxragError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -55,8 +54,7 @@ def is_multihost_launch(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
-    """Calls `jax.distributed.initialize()` once on multi-host launches, and starts the watchdog
-    that stops this process when a peer is lost (`jaxrag.multihost`); must run before any other
+    """Calls `jax.distributed.initialize()` once on multi-host launches; must run before any other
     JAX call. JAX_NUM_PROCESSES / JAX_PROCESS_ID override cluster auto-detection. On CPU devices
     the processes' collectives go over gloo (TCP), as on one machine running several processes."""
     if not is_multihost_launch(env) or jax.distributed.is_initialized():
@@ -67,7 +65,6 @@ def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(num_processes=int(num) if num else None,
                                process_id=int(pid) if pid else None)
-    multihost.start_watchdog()
     return True
 
 

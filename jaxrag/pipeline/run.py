@@ -123,6 +123,7 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
     check_config(cfg, user_set)
     workdir = Path(workdir)
     multihost.agree_at_start(cfg.to_dict(), input_files(cfg), workdir)
+    multihost.start_watchdog()  # after the agreement: a refused start is every process's own error
     preflight(cfg)
     stages = [st for st in _stages() if st[0] != "world" or is_embedded(cfg)]
     names = [n for n, _, _ in stages]

@@ -1,0 +1,178 @@
+"""Several processes, one run: the miniature pipeline of tests/test_pipeline.py launched as 2
+processes x 2 CPU devices by `launch/local.sh` (jax.distributed over a 127.0.0.1 coordinator, gloo
+collectives: the multi-controller runtime of a TPU pod or a Slurm GPU cluster) gives the results of
+the same config as 1 process x 4 devices; a process killed during construct, and again during
+stage 1, stops the other within 60 s with one line, and the same launch then resumes to those
+results; a process started differently is refused at start.
+
+The mesh (data=1, fsdp=4) splits every parameter across the two processes, so every training
+step's collectives (and DPO's reference scoring, the base probe's generation) cross them."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from multihost_fixtures import (REPO, audit_writes, audited_env, free_ports, kill_during, launch, log,
+                                same_results, single_process, train_args)
+from pipeline_fixtures import file_digests
+
+import jaxrag
+
+LOST = "error: process 1 of 2 was lost during stage '{}'; this process stops too. Relaunch the same command to resume"
+# Float fields of results.json may differ in their last bits: the two runs' training steps are one
+# XLA program over the same 4-device mesh, but their all-reduces sum across devices in another order
+# (gloo between processes against the in-process CPU collectives), so trained weights agree to
+# float32 rounding, not bit for bit. Decisions and accuracies built on them agree exactly unless two
+# scores tie within that rounding; the thresholds fitted on those scores moved by up to 4.4e-8 when
+# this was measured.
+ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(single-process workdir, multi-process workdir, the two kills' records, audits)."""
+    root = tmp_path_factory.mktemp("multihost")
+    one, two = root / "one", root / "two"
+    reference = single_process(one, root / "audit-one")  # beside the launches: it has idle time to give
+    under_way = {  # a stage is under way once it has written its first file
+        "construct": lambda: any((two / "construct").glob("shard-*.jsonl")) or any((two / "construct").glob("round1/*")),
+        "stage1": lambda: any((two / "stage1").glob("checkpoints/[0-9]*")),
+    }
+    kills = {stage: kill_during(launch(two, root / "audit-two"), two, root / "audit-two", ready, victim=1)
+             for stage, ready in under_way.items()}
+    resumed = launch(two, root / "audit-two")
+    out, err = resumed.communicate(timeout=3600)
+    assert resumed.returncode == 0, err[-2000:] + log(two, 0)[-3000:]
+    _, err = reference.communicate(timeout=3600)
+    assert reference.returncode == 0, err[-3000:]
+    return one, two, kills, root
+
+
+def results(workdir):
+    return json.loads((workdir / "results.json").read_text())
+
+
+def test_results_are_the_single_process_results(runs):
+    one, two, _, _ = runs
+    r1, r2 = results(one), results(two)
+    same_results(r1, r2, ATOL)
+    assert (two / "report.md").is_file() and (two / "export" / "srrag.json").is_file()
+
+
+def test_construct_records_and_trained_models_are_the_single_process_ones(runs):
+    one, two, _, _ = runs
+    # construct's shards are built by one process each (process p: shards p, p + 2, ...) on its own
+    # device, after a kill in the middle: the records are byte for byte the single process's
+    shards = sorted(p.name for p in (one / "construct").glob("shard-*.jsonl"))
+    assert shards and shards == sorted(p.name for p in (two / "construct").glob("shard-*.jsonl"))
+    for name in shards:
+        assert (one / "construct" / name).read_bytes() == (two / "construct" / name).read_bytes(), name
+    for stage in ("base", "stage1/model", "stage2/model"):
+        a, b = (jaxrag.load_model(w / stage) for w in (one, two))
+        ids = np.arange(3, 40)[None]
+        np.testing.assert_allclose(np.asarray(a.logits(ids)), np.asarray(b.logits(ids)), atol=1e-4, err_msg=stage)
+
+
+def test_the_export_loads_in_transformers_with_our_logits(runs):
+    _, two, _, _ = runs
+    ours = jaxrag.load_model(two / "export")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(two / "export")
+    ids = list(range(3, 30))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours.logits([ids])), want, atol=1e-4)
+
+
+def test_every_file_is_written_by_one_process(runs):
+    """The write audit (tests/write_audit) of every Python process of the three launches: each
+    path under the workdir was written, renamed or removed by one process id. Orbax's checkpoint
+    folders are the exception by design: every process writes its own shards into them, and orbax
+    commits them (its metadata files, written from each process, are left to it)."""
+    _, two, _, root = runs
+    writers = audit_writes(root / "audit-two")
+    assert any(p.startswith("construct/shard-") for p in writers)
+    shared = {p: w for p, w in writers.items() if len(w) > 1 and ".orbax-checkpoint-tmp" not in p}
+    assert not shared, shared
+    # process 1 wrote no file of its own at all outside orbax's
+    assert not [p for p, w in writers.items() if w == {"1"} and ".orbax-checkpoint-tmp" not in p
+                and not p.startswith("construct/")]
+    # nothing half-written is left: no temp file or folder, no ".building"
+    leftovers = [p for p in two.rglob("*") if ".tmp" in p.name or p.name.endswith(".building")]
+    assert not leftovers, leftovers
+
+
+def test_each_stage_records_the_single_process_provenance(runs):
+    one, two, _, _ = runs
+    for name in ("world", "base", "index", "construct", "stage1", "stage2", "datastore", "baselines", "eval",
+                 "export"):
+        a, b = (json.loads((w / "inputs" / f"{name}.json").read_text()) for w in (one, two))
+        same_results(a, b, atol=0.0, path=name)
+
+
+def test_a_lost_process_stops_the_other_within_60_seconds(runs):
+    _, two, kills, _ = runs
+    for stage, kill in kills.items():
+        assert kill["returncode"] != 0, stage
+        assert kill["seconds"] < 60, (stage, kill["seconds"])
+        assert LOST.format(stage) in log(two, 0), stage
+    print({stage: round(kill["seconds"], 1) for stage, kill in kills.items()})
+
+
+def _start(workdir, audit, argvs, cwds=None):
+    """Processes started by hand, each with its own arguments (what local.sh would not do)."""
+    port = free_ports()
+    procs = []
+    for i, argv in enumerate(argvs):
+        env = audited_env(workdir, audit, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                          JAX_PROCESS_ID=str(i), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "jaxrag.train", *argv], cwd=(cwds or [REPO] * 2)[i],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("case", ["config", "workdir", "data"])
+def test_a_process_started_differently_is_refused_at_start(case, tmp_path):
+    w = tmp_path / "w"
+    argv = train_args(w)
+    cwds = None
+    if case == "config":
+        argvs, why = [argv, [*argv, "--config.seed=1"]], "was started with another config than process 0's (seed differ)"
+    elif case == "workdir":
+        other = train_args(tmp_path / "elsewhere")
+        argvs, why = [argv, other], f"does not see the workdir process 0 writes ({tmp_path / 'elsewhere'})"
+    else:  # the same relative path names another file on each "host" (its own working directory)
+        cwds = [tmp_path / "host0", tmp_path / "host1"]
+        for i, cwd in enumerate(cwds):
+            (cwd / "data").mkdir(parents=True)
+            (cwd / "data" / "popqa.jsonl").write_text(json.dumps(
+                {"id": "q1", "question": "Who?", "possible_answers": f'["A{i}"]', "s_pop": 5}) + "\n")
+            shutil.copytree(REPO / "configs", cwd / "configs")
+        argv = ["--config", "configs/smollm2.py:smoke", "--workdir", str(w), "--config.data.paths.popqa=data/popqa.jsonl"]
+        argvs, why = [argv, argv], "sees other data than process 0 (data.paths.popqa differ by content)"
+    outcomes = _start(w, tmp_path / "audit", argvs, cwds)
+    for code, stderr in outcomes:
+        assert code == 2, stderr[-2000:]
+        assert _errors(stderr) == [f"error: process 1 of 2 {why}; start every process with the same command, "
+                                   "config files and data"], stderr[-2000:]
+    assert not w.exists() or not any(p for p in w.rglob("*") if p.is_file())  # nothing written
+
+
+def test_local_launcher_dry_run_prints_one_command_per_process():
+    proc = subprocess.run([str(REPO / "launch" / "local.sh"), "--processes", "3", "--devices-per-process", "2",
+                           "--port", "9000", "--config", "configs/qwen.py:tiny", "--workdir", "/w", "--config.seed=1",
+                           "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.splitlines() == [
+        f"env JAX_COORDINATOR_ADDRESS=127.0.0.1:9000 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} JAX_PLATFORMS=cpu "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m jaxrag.train --config configs/qwen.py:tiny "
+        "--workdir /w --config.seed=1" for i in range(3)]
