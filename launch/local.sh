@@ -44,7 +44,10 @@ require --config "$CONFIG" --workdir "$WORKDIR"
 LOGS=${LOGS:-$WORKDIR/logs}
 
 train=("$PYTHON" -m jaxrag.train --config "$CONFIG" --workdir "$WORKDIR" ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"})
+# The processes share this machine's cores: a collective may wait minutes for a peer that is
+# compiling, where XLA's CPU runtime would end it after 40 s (a lost peer is the watchdog's to see).
 xla_flags="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$DEVICES"
+xla_flags+=" --xla_cpu_collective_call_terminate_timeout_seconds=1800 --xla_cpu_collective_timeout_seconds=1800"
 
 commands=()
 for ((i = 0; i < PROCESSES; i++)); do
@@ -62,7 +65,7 @@ pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; exit 130' INT TERM  # Ctrl-C stops every process
 for ((i = 0; i < PROCESSES; i++)); do
   echo "+ ${commands[i]} >> $LOGS/process-$i.log" >&2
-  eval "${commands[i]}" >>"$LOGS/process-$i.log" 2>&1 &
+  (eval "${commands[i]}") >>"$LOGS/process-$i.log" 2>&1 &  # (): errexit would turn its status into 1
   pids+=($!)
 done
 worst=0
