@@ -40,7 +40,7 @@ def tiny_hf(tmp_path_factory):
 
 # The longest modules start first: with `--dist loadfile` a module runs whole on one worker, in
 # collection order, so one that starts last leaves the other worker idle while it runs.
-LONGEST_FIRST = ("test_real_path.py", "test_pipeline.py")
+LONGEST_FIRST = ("test_real_path.py", "test_multihost.py", "test_pipeline.py")
 
 
 def pytest_collection_modifyitems(items):
