@@ -135,21 +135,21 @@ def agree_at_start(config: dict, files: dict[str, str], workdir: Path) -> None:
         sees = token_file.read_text() == token
     except OSError:
         sees = False
-    view = {"config": config, "files": files, "sees_workdir": sees}
+    view = {"config": config, "files": files, "workdir": str(workdir), "sees_workdir": sees}
     client.key_value_set(f"{_PREFIX}/start/{me}", json.dumps(view, sort_keys=True, default=str))
     views = {p: json.loads(client.blocking_key_value_get(f"{_PREFIX}/start/{p}", 600_000)) for p in range(n)}
     client.wait_at_barrier(f"{_PREFIX}/start/read", 600_000)  # every view read before process 0 goes on
     if me == 0:
         token_file.unlink()
     for p in range(1, n):
-        if problem := _differs(views[0], views[p], workdir):
+        if problem := _differs(views[0], views[p]):
             raise JaxragError(f"process {p} of {n} {problem}; start every process with the same command, "
                               "config files and data")
 
 
-def _differs(lead: dict, other: dict, workdir: Path) -> str:
+def _differs(lead: dict, other: dict) -> str:
     if not other["sees_workdir"]:
-        return (f"does not see the workdir process 0 writes ({workdir}): the workdir must be one shared "
+        return (f"does not see the workdir process 0 writes ({lead['workdir']}): the workdir must be one shared "
                 "directory at the same path on every host")
     if other["config"] != lead["config"]:
         fields = sorted(_changed(lead["config"], other["config"]))
