@@ -84,4 +84,6 @@ def without_timings(obj):
         return {k: without_timings(v) for k, v in obj.items() if "latency" not in k and k != "phases"}
     if isinstance(obj, list):
         return [without_timings(v) for v in obj]
+    if isinstance(obj, float) and obj != obj:  # undefined (an AUROC over one class) equals itself
+        return "nan"
     return obj
