@@ -35,8 +35,9 @@ GIT = ["--source", "git", "--git-url", "https://example.com/jaxrag.git", "--git-
 
 
 STUB = """#!/usr/bin/env bash
-# records its name and arguments (NUL-separated, one record per call) instead of running anything
-{ printf '%s\\0' "${0##*/}" "$@"; printf '\\036\\0'; } >> "$STUB_LOG"
+# records its name and arguments (NUL-separated, one record per call) instead of running anything,
+# in one write, so that stubs running at once never interleave their records
+printf '%s\\0' "${0##*/}" "$@" $'\\036' >> "$STUB_LOG"
 """
 STUBBED = ["srun", "mpirun", "scontrol", "gcloud", "python3", "python"]
 
