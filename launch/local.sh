@@ -44,10 +44,8 @@ require --config "$CONFIG" --workdir "$WORKDIR"
 LOGS=${LOGS:-$WORKDIR/logs}
 
 train=("$PYTHON" -m jaxrag.train --config "$CONFIG" --workdir "$WORKDIR" ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"})
-# The processes share this machine's cores: a collective may wait minutes for a peer that is
-# compiling, where XLA's CPU runtime would end it after 40 s (a lost peer is the watchdog's to see).
+# (jaxrag.train raises XLA's CPU collective timeouts itself: jaxrag.pipeline.cli.patient_cpu_collectives)
 xla_flags="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$DEVICES"
-xla_flags+=" --xla_cpu_collective_call_terminate_timeout_seconds=1800 --xla_cpu_collective_timeout_seconds=1800"
 
 commands=()
 for ((i = 0; i < PROCESSES; i++)); do

@@ -26,11 +26,6 @@ MESH = ("--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1
 SPLIT = ("--config.construct.shard_size=16", "--config.stage1.checkpoint_every=4")
 
 
-# As launch/local.sh gives its processes: 4 devices' threads on 2 busy cores may meet at a
-# collective minutes apart, where XLA's CPU runtime would abort after 40 s.
-CPU_PATIENCE = "--xla_cpu_collective_call_terminate_timeout_seconds=1800 --xla_cpu_collective_timeout_seconds=1800"
-
-
 def train_args(workdir: Path) -> list[str]:
     return ["--config", "configs/qwen.py:tiny", "--workdir", str(workdir),
             *(f"--config.{k}={v}" for k, v in mini_overrides().items()), *MESH, *SPLIT]
@@ -69,7 +64,7 @@ def launch(workdir: Path, audit: Path, processes: int = 2, devices: int = 2, ext
 
 def single_process(workdir: Path, audit: Path, devices: int = 4) -> subprocess.Popen:
     """The same config as one process with all the devices (started, not waited for)."""
-    env = audited_env(workdir, audit, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {CPU_PATIENCE}")
+    env = audited_env(workdir, audit, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.Popen([sys.executable, "-m", "jaxrag.train", *train_args(workdir)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

@@ -176,3 +176,24 @@ def test_freed_memory_goes_back_to_the_os_once_the_process_has_grown():
                                                          check=True).stdout.split())
     assert held - base > 900 and kept - base > 900  # freed, still resident
     assert released - base < 100
+
+
+def test_cpu_collectives_wait_for_a_late_participant_on_the_cpu_only(monkeypatch):
+    """On the CPU, XLA_FLAGS gains both collective timeouts (30 minutes, not XLA's 40 s), after what
+    the user set; a timeout the user set is kept; an accelerator's flags are left alone."""
+    from jaxrag.pipeline.cli import patient_cpu_collectives
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    assert patient_cpu_collectives()
+    assert os.environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=2"
+                                       " --xla_cpu_collective_call_terminate_timeout_seconds=1800"
+                                       " --xla_cpu_collective_timeout_seconds=1800")
+    assert not patient_cpu_collectives()  # already there: nothing added twice
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=60")
+    assert patient_cpu_collectives()
+    assert os.environ["XLA_FLAGS"] == ("--xla_cpu_collective_timeout_seconds=60"
+                                       " --xla_cpu_collective_call_terminate_timeout_seconds=1800")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.delenv("XLA_FLAGS")
+    assert not patient_cpu_collectives() and "XLA_FLAGS" not in os.environ

@@ -30,7 +30,6 @@ SLURM_SETUP = ('host=$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n1
 TPU_PIP = ('python3 -m pip install -q --user uv && python3 -m uv venv -q --allow-existing --python 3.11 '
            'jaxrag-venv && python3 -m uv pip install -q --python jaxrag-venv/bin/python "jax[tpu]"')
 TPU_TRAIN = "JAXRAG_DISTRIBUTED=1 ~/jaxrag-venv/bin/python -m jaxrag.train"
-CPU_PATIENCE = "--xla_cpu_collective_call_terminate_timeout_seconds=1800 --xla_cpu_collective_timeout_seconds=1800"
 GIT = ["--source", "git", "--git-url", "https://example.com/jaxrag.git", "--git-ref", "v1"]
 
 
@@ -205,7 +204,7 @@ def test_local_runs_the_printed_commands_and_exits_with_the_worst_status(stubs, 
     args = ["--processes", "2", "--devices-per-process", "2", "--logs", str(tmp_path / "logs"), *TRAIN]
     printed = dry_run("local.sh", *args)
     assert printed == [f"env JAX_COORDINATOR_ADDRESS=127.0.0.1:8476 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID={i} "
-                       f"JAX_PLATFORMS=cpu 'XLA_FLAGS=--xla_force_host_platform_device_count=2 {CPU_PATIENCE}' "
+                       f"JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 "
                        f"python -m jaxrag.train {TRAIN_STR}" for i in range(2)]
     proc = launch("local.sh", *args)
     assert proc.returncode == 3, proc.stderr

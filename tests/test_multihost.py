@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from multihost_fixtures import (CPU_PATIENCE, REPO, audit_writes, audited_env, free_ports, kill_during, launch, log,
+from multihost_fixtures import (REPO, audit_writes, audited_env, free_ports, kill_during, launch, log,
                                 same_results, single_process, train_args)
 from pipeline_fixtures import file_digests
 
@@ -179,5 +179,5 @@ def test_local_launcher_dry_run_prints_one_command_per_process():
     assert proc.returncode == 0 and proc.stderr == ""
     assert proc.stdout.splitlines() == [
         f"env JAX_COORDINATOR_ADDRESS=127.0.0.1:9000 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} JAX_PLATFORMS=cpu "
-        f"'XLA_FLAGS=--xla_force_host_platform_device_count=2 {CPU_PATIENCE}' python -m jaxrag.train "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m jaxrag.train "
         "--config configs/qwen.py:tiny --workdir /w --config.seed=1" for i in range(3)]

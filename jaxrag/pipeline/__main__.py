@@ -10,9 +10,10 @@ import sys
 from absl import app, flags, logging
 
 from jaxrag.errors import run
-from jaxrag.pipeline.cli import ConfigFlag, reuse_cpu_temporaries
+from jaxrag.pipeline.cli import ConfigFlag, patient_cpu_collectives, reuse_cpu_temporaries
 
 reuse_cpu_temporaries()  # before jax is imported
+patient_cpu_collectives()
 _CONFIG = ConfigFlag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory (stages are cached here)")
 flags.mark_flags_as_required(["workdir"])

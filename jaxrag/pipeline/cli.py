@@ -1,6 +1,7 @@
 """What the pipeline's CLIs share (`python -m jaxrag.train`, `jaxrag.plan`): the `--config` flag,
-whose every mistake is one `error:` line and exit code 2, and glibc's allocator set up for XLA's CPU
-temporaries before jax is imported. How any CLI reports a `JaxragError`: `jaxrag.errors.run`."""
+whose every mistake is one `error:` line and exit code 2, and, before jax is imported, glibc's
+allocator set up for XLA's CPU temporaries and XLA's CPU collective timeouts raised. How any CLI
+reports a `JaxragError`: `jaxrag.errors.run`."""
 
 from __future__ import annotations
 
@@ -40,6 +41,26 @@ def reuse_cpu_temporaries() -> bool:
         return False
     return all(mallopt(param, value) == 1 for param, value in
                ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+
+
+# XLA's CPU runtime ends a program whose collective waits more than 40 s for one of its
+# participants. CPU devices share the machine's cores (fake devices, or several processes on one
+# machine): a participant can be that late while a peer thread or process compiles, and the run
+# would abort with a stack trace. A lost process is the watchdog's to report (`jaxrag.watchdog`).
+PATIENT_CPU_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=1800",
+                           "--xla_cpu_collective_timeout_seconds=1800")
+
+
+def patient_cpu_collectives() -> bool:
+    """Adds `PATIENT_CPU_COLLECTIVES` to XLA_FLAGS when JAX will run on the CPU (a value the user
+    set for either flag is kept); True if it did. Must run before jax creates its CPU client."""
+    if not jax_runs_on_cpu():
+        return False
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    added = [f for f in PATIENT_CPU_COLLECTIVES if f.split("=")[0] + "=" not in flags_now]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([flags_now, *added]).strip()
+    return bool(added)
 
 
 def jax_runs_on_cpu() -> bool:
