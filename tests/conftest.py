@@ -40,6 +40,15 @@ def tiny_hf(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def quickstart(tmp_path_factory):
+    """(workdir, executed notebook) of the miniature pipeline run by the quickstart notebook, once
+    per session for every module and worker (tests/pipeline_fixtures.py: quickstart_run)."""
+    from pipeline_fixtures import quickstart_run
+
+    return quickstart_run(tmp_path_factory)
+
+
 # The longest modules start first: with `--dist loadfile` a module runs whole on one worker, in
 # collection order, so one that starts last leaves the other worker idle while it runs.
 LONGEST_FIRST = ("test_real_path.py", "test_multihost.py", "test_pipeline.py")

@@ -1,6 +1,6 @@
 """What tests/test_multihost.py builds on: the miniature pipeline of tests/test_pipeline.py as
 several processes (`launch/local.sh`, the runtime a pod runs: jax.distributed over a 127.0.0.1
-coordinator, gloo collectives) and as one, each process's file writes recorded by
+coordinator, gloo collectives), each process's file writes recorded by
 tests/write_audit/sitecustomize.py, and a process killed mid-stage by pid."""
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ import numpy as np
 from pipeline_fixtures import REPO, mini_overrides
 
 AUDIT = REPO / "tests" / "write_audit"
-# The mesh's fsdp axis spans every device, so with 2 processes x 2 devices each parameter is split
-# across the process boundary: every training step, and every generation and scoring program of
-# an inference model placed on the mesh, runs collectives between the processes.
-MESH = ("--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=1")
-# Construct's 62 questions in 4 shards, so that each process builds two of them; stage 1
-# checkpoints every 4 of its steps, so that a kill during it resumes from a checkpoint.
-SPLIT = ("--config.construct.shard_size=16", "--config.stage1.checkpoint_every=4")
 
 
 def train_args(workdir: Path) -> list[str]:
+    """The miniature pipeline's command (pipeline_fixtures.mini_config: its mesh's fsdp axis spans
+    every device, so with 2 processes x 2 devices each parameter is split across the process
+    boundary, and every training step, and every generation and scoring program of an inference
+    model placed on the mesh, runs collectives between the processes)."""
     return ["--config", "configs/qwen.py:tiny", "--workdir", str(workdir),
-            *(f"--config.{k}={v}" for k, v in mini_overrides().items()), *MESH, *SPLIT]
+            *(f"--config.{k}={v}" for k, v in mini_overrides().items())]
 
 
 def free_ports() -> int:
@@ -60,13 +57,6 @@ def launch(workdir: Path, audit: Path, processes: int = 2, devices: int = 2, ext
            "--port", str(free_ports()), "--python", sys.executable, *train_args(workdir), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=audited_env(workdir, audit), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def single_process(workdir: Path, audit: Path, devices: int = 4) -> subprocess.Popen:
-    """The same config as one process with all the devices (started, not waited for)."""
-    env = audited_env(workdir, audit, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.Popen([sys.executable, "-m", "jaxrag.train", *train_args(workdir)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def log(workdir: Path, process: int) -> str:

@@ -1,7 +1,10 @@
 """What tests/test_pipeline.py builds on: the miniature embedded world's config, the notebooks run
 headless, and how a run's output and files are compared."""
 
+import fcntl
 import hashlib
+import os
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -35,7 +38,44 @@ def mini_config():
     # and method's latency, where batches of 8 take two (the second padded to 8 rows).
     cfg.inference.update(batch_size=16, k=3, max_answer_tokens=4, max_knowledge_tokens=96)
     cfg.baselines.update(seakr_samples=2, max_train_questions=20, ik_answer_tokens=4)
+    # What tests/test_multihost.py runs as 2 processes x 2 devices against this run on 1 x 4: the
+    # fsdp axis spans every device, so each parameter is split across the process boundary there;
+    # construct's 62 questions in 4 shards (each process builds two); stage 1 checkpoints every 4
+    # of its steps, so that a kill during it resumes from a checkpoint.
+    cfg.mesh.update(data=1, fsdp=-1, tensor=1)
+    cfg.construct.shard_size = 16
+    cfg.stage1.checkpoint_every = 4
     return cfg
+
+
+# The devices of a single-process run of the miniature pipeline (the mesh of tests/test_multihost.py).
+DEVICES = 4
+
+
+def single_process_env(**extra) -> dict[str, str]:
+    """The environment of a single-process run on `DEVICES` CPU devices (XLA's collective timeouts
+    raised as `jaxrag.train` raises them: four device threads on two busy cores)."""
+    from jaxrag.pipeline.cli import PATIENT_CPU_COLLECTIVES
+
+    flags = " ".join([f"--xla_force_host_platform_device_count={DEVICES}", *PATIENT_CPU_COLLECTIVES])
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(path)` once per test session, whichever xdist worker asks first; a worker that asks
+    while it is being built waits for it. Under the session's temporary root, so pytest removes it
+    with the rest."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    path = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"{name}.built").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            (root / f"{name}.built").touch()
+    return path
 
 
 def _flat(d: dict, prefix: str = ""):
@@ -52,13 +92,28 @@ def mini_overrides() -> dict:
     return {k: v for k, v in _flat(mini_config().to_dict()) if tiny[k] != v}
 
 
-def run_notebook(name: str, params: dict, cwd: Path) -> nbformat.NotebookNode:
-    """Executes colab/NAME.ipynb headless with `params` injected after its parameters cell."""
+def run_notebook(name: str, params: dict, cwd: Path, env: dict | None = None) -> nbformat.NotebookNode:
+    """Executes colab/NAME.ipynb headless with `params` injected after its parameters cell (its
+    kernel in `env`, by default this process's environment)."""
     nb = nbformat.read(REPO / "colab" / f"{name}.ipynb", as_version=4)
     at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     nb.cells.insert(at + 1, nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in params.items())))
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(nb, timeout=1800, kernel_name="python3",
+                   resources={"metadata": {"path": str(cwd)}}).execute(env=env or dict(os.environ))
     return nb
+
+
+def quickstart_run(tmp_path_factory) -> tuple[Path, nbformat.NotebookNode]:
+    """The quickstart notebook runs the miniature pipeline once per session, on `DEVICES` CPU
+    devices: the single-process run that tests/test_pipeline.py checks and tests/test_multihost.py
+    compares its 2-process run with. (workdir, the executed notebook)"""
+    def build(home):
+        nb = run_notebook("quickstart", {"WORKDIR": str(home / "run"), "OVERRIDES": mini_overrides()}, home,
+                          env=single_process_env())
+        nbformat.write(nb, home / "quickstart.ipynb")
+
+    home = built_once(tmp_path_factory, "quickstart", build)
+    return home / "run", nbformat.read(home / "quickstart.ipynb", as_version=4)
 
 
 def outputs(nb) -> str:

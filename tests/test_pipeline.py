@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from pipeline_fixtures import (REPO, file_digests, mini_config, mini_overrides, outputs, run_notebook, statuses,
-                               without_timings)
+from pipeline_fixtures import (REPO, file_digests, mini_config, mini_overrides, outputs, run_notebook,
+                               single_process_env, statuses, without_timings)
 
 import jaxrag
 from jaxrag.errors import JaxragError
@@ -22,14 +22,8 @@ from jaxrag.pipeline.config import tiny_config
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    """The quickstart notebook runs the pipeline; every test below checks what it left."""
-    out = tmp_path_factory.mktemp("pipeline") / "run"
-    return out, run_notebook("quickstart", {"WORKDIR": str(out), "OVERRIDES": mini_overrides()}, out.parent)
-
-
-@pytest.fixture(scope="module")
 def workdir(quickstart):
+    """The quickstart notebook's run (conftest.py); every test below checks what it left."""
     return quickstart[0]
 
 
@@ -319,8 +313,9 @@ def test_killed_runs_rerun_to_the_same_results(workdir, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "jaxrag.train", "--config", "configs/qwen.py:tiny", "--workdir", str(out),
            *(f"--config.{k}={v}" for k, v in mini_overrides().items())]
+    env = single_process_env()  # the quickstart's devices
     for stage, delay in (("base", 2.0), ("construct", 8.0), ("baselines", 10.0)):
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for line in proc.stdout:
             if f"] {stage}: running" in line:
                 break
@@ -328,7 +323,7 @@ def test_killed_runs_rerun_to_the_same_results(workdir, tmp_path):
         proc.kill()
         proc.wait()
         assert not (out / "results.json").exists()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     want = json.loads((workdir / "results.json").read_text())
     got = json.loads((out / "results.json").read_text())
