@@ -35,9 +35,10 @@ ATOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def runs(quickstart, tmp_path_factory):
+def runs(request, tmp_path_factory):
     """(single-process workdir: the quickstart's run on 1 process x 4 devices, shared with
-    tests/test_pipeline.py; multi-process workdir, the two kills' records, the audits' root)."""
+    tests/test_pipeline.py and asked for once the launches are done, as another worker may be
+    building it meanwhile; multi-process workdir, the two kills' records, the audits' root)."""
     root = tmp_path_factory.mktemp("multihost")
     two = root / "two"
     under_way = {  # a stage is under way once it has written its first file
@@ -49,7 +50,7 @@ def runs(quickstart, tmp_path_factory):
     resumed = launch(two, root / "audit-two")
     out, err = resumed.communicate(timeout=3600)
     assert resumed.returncode == 0, err[-2000:] + log(two, 0)[-3000:]
-    return quickstart[0], two, kills, root
+    return request.getfixturevalue("quickstart")[0], two, kills, root
 
 
 def results(workdir):

