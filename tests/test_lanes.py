@@ -1,5 +1,8 @@
 """Independent work side by side (`jaxrag.pipeline.lanes`, `jaxrag.concurrency`): order, concurrency, stopping, same results."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -151,3 +154,24 @@ def test_ctrl_c_stops_every_piece_and_exits_130():
     out, err = proc.communicate(timeout=20)
     assert (proc.returncode, err.strip()) == (130, "interrupted: nothing half-written was kept")
     assert sorted(out.split()) == sorted("stopped a stopped b".split())
+
+
+_TWO_DEVICES = """
+import threading
+import jax
+from jaxrag.pipeline import lanes
+assert jax.device_count() == 2
+alone = threading.Barrier(2, timeout=0.5)  # breaks unless both tasks run at once
+try:
+    lanes.run_graph({"a": (alone.wait, ()), "b": (alone.wait, ())}, 2)
+except threading.BrokenBarrierError:
+    print("one at a time")
+"""
+
+
+def test_several_devices_run_one_task_at_a_time():
+    """With 2 CPU devices, workers=2 still runs the tasks one after the other: two programs'
+    collectives must not interleave across devices."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split("\n")[0] == "one at a time", proc.stderr[-2000:]

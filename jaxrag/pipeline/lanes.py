@@ -8,6 +8,11 @@ one at a time. Accelerator configs keep one worker: a device runs one program at
 and a 7B model per piece would not fit twice. Latency is never measured beside other work (the
 eval stage depends on every stage before it, so it runs alone).
 
+With more than one device (several CPU devices in one process, or several processes) the pieces
+run one at a time: two pieces' programs would reach their collectives in another order on each
+device, each device waiting in one program for a peer that runs the other, for ever (seen: a
+2-device tiny run's pretraining hung beside the index build).
+
 When a piece fails or the user presses Ctrl-C, the others stop at their next `check()` (every
 training step, encoded batch or routed batch), keeping what they have saved, so a rerun resumes
 them; the first failure is what the caller sees. The state they share (the orbax lock, the stop
@@ -21,7 +26,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from jaxrag import multihost
+import jax
+
 from jaxrag.concurrency import STOP, Stopped, enter_graph, leave_graph
 
 
@@ -33,7 +39,7 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
     unknown = {d for _, deps in tasks.values() for d in deps} - set(tasks)
     if unknown:
         raise ValueError(f"dependencies {sorted(unknown)} are not tasks")
-    if workers <= 1 or multihost.is_multiprocess():  # its processes issue their collectives in one order
+    if workers <= 1 or jax.device_count() > 1:  # see below
         for fn, _ in tasks.values():
             fn()
         return

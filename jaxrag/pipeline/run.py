@@ -196,14 +196,16 @@ def write_config(cfg: ConfigDict, workdir: Path) -> None:
 
 
 def _workers(cfg: ConfigDict, user_set=()) -> int:
-    """Stages at a time. A multi-process run takes one at a time (`lanes.run_graph`: its processes
-    issue their collectives in one order); more, asked for on its command line, is refused."""
+    """Stages at a time. A run on several devices takes one at a time (`lanes.run_graph`: every
+    device must reach the programs' collectives in one order); more, asked for on its command
+    line, is refused."""
     workers = int(cfg.pipeline.workers)
     if workers < 1:
         raise JaxragError(f"--config.pipeline.workers={workers}: must be at least 1")
-    if workers > 1 and jax.process_count() > 1 and "pipeline.workers" in user_set:
-        raise JaxragError(f"--config.pipeline.workers={workers}: the {jax.process_count()} processes of a multi-host "
-                          "run must issue their collectives in one order; set --config.pipeline.workers=1")
+    if workers > 1 and jax.device_count() > 1 and "pipeline.workers" in user_set:
+        raise JaxragError(f"--config.pipeline.workers={workers}: a run on {jax.device_count()} devices runs one stage "
+                          "at a time, so that every device reaches the collectives in one order; set "
+                          "--config.pipeline.workers=1")
     return workers
 
 
