@@ -28,9 +28,9 @@ from real_data import FILES, write_real_data  # noqa: E402
 EVAL = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
 METHODS = {"no_ft_always_rag", "no_ft_genread", "selective_always_rag", "selective_rag", "srrag_always_rag",
            "srrag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo", "ik", "seakr", "ccsk"}
-# CI's own step after the suite (.ci/run, `python -m pytest -m ci_step`), run alone: beside the
-# suite's multi-process tests, several XLA processes on 2 cores took the real model's eval past 40
-# minutes. Its 2-process run is on demand (below).
+# Run on its own (`python -m pytest -m ci_step tests/test_real_path.py`; .ci/run says why CI does
+# not for now): beside the suite's multi-process tests, several XLA processes on 2 cores took the
+# real model's eval past 40 minutes. Its 2-process run is on demand (below).
 pytestmark = pytest.mark.ci_step
 
 
@@ -182,7 +182,7 @@ def test_a_bad_row_stops_before_base_naming_file_row_and_field(data, tmp_path):
 
 
 @pytest.mark.skipif(not os.environ.get("JAXRAG_REAL_PATH_TWO_PROCESSES"),
-                    reason="on demand (JAXRAG_REAL_PATH_TWO_PROCESSES=1): with it, CI's step would not fit CI's time")
+                    reason="on demand (JAXRAG_REAL_PATH_TWO_PROCESSES=1): a second real run, as 2 processes")
 def test_two_processes_give_the_single_process_results(run, data, tmp_path):
     """The same command as 2 processes x 1 device through `launch/local.sh` (jax.distributed over
     127.0.0.1, gloo): the data axis spans the processes, so every training step's gradients are
