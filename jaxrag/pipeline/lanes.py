@@ -39,7 +39,7 @@ def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], wo
     unknown = {d for _, deps in tasks.values() for d in deps} - set(tasks)
     if unknown:
         raise ValueError(f"dependencies {sorted(unknown)} are not tasks")
-    if workers <= 1 or jax.device_count() > 1:  # see below
+    if workers <= 1 or jax.device_count() > 1:  # several devices: one at a time (module docstring)
         for fn, _ in tasks.values():
             fn()
         return
