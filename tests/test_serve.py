@@ -198,9 +198,12 @@ def test_full_queue_gets_429_with_retry_after(url):
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             many = tiny_questions(QUEUE, seed=12)
             filling = asyncio.create_task(client.post("/v1/srrag", json={"questions": many, "max_tokens": 8}))
-            while metric(url, "srrag_queue_depth") < QUEUE - SLOTS - 4:
-                await asyncio.sleep(0.05)
-            refused = await client.post("/v1/srrag", json={"questions": QUESTIONS[:10]})
+            deadline = time.monotonic() + 60
+            while metric(url, "srrag_queue_depth") < 1:  # the filling request is in the queue
+                assert time.monotonic() < deadline, "the queue never filled"
+                await asyncio.sleep(0.01)
+            # a whole queue's worth fits only an empty queue: refused while any of `many` waits
+            refused = await client.post("/v1/srrag", json={"questions": tiny_questions(QUEUE, seed=13)})
             return refused, await filling
 
     refused, filled = asyncio.run(scenario())
@@ -236,9 +239,12 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(url, server):
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            # three times the slots: the slots stay full while the queue drains into them
             flying = [asyncio.create_task(client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": q}]})) for q in QUESTIONS[:6]]
+                "messages": [{"role": "user", "content": q}]})) for q in QUESTIONS[:3 * SLOTS]]
+            deadline = time.monotonic() + 60
             while metric(url, "srrag_busy_slots") < SLOTS:
+                assert time.monotonic() < deadline, "the slots never filled"
                 await asyncio.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
@@ -247,7 +253,7 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(url, server):
             return await asyncio.gather(*flying)
 
     answers = asyncio.run(scenario())
-    assert [r.status_code for r in answers] == [200] * 6
+    assert [r.status_code for r in answers] == [200] * 3 * SLOTS
     assert all(r.json()["choices"][0]["message"]["content"] for r in answers)
     assert proc.wait(timeout=60) == 0
 

@@ -5,15 +5,20 @@ together. A server's rows start and finish at different steps, so the pool keeps
 next free cache column (`write`) and position, in the same per-layer cache layout
 (`models.kv_cache.LayerCache`, [slots * kv_heads, length, head_dim]):
 
-    insert(pool, state, row)              a batch-1 prefill (`sampler.extend`) becomes row `row`
-    prefill_row(decoder, pool, row, ...)  appends a left-padded chunk to one row (knowledge, tail)
-    steps(decoder, pool, live, ...)       decode steps until a row ends (or a step count): each
-                                          picks every live row's next token and appends it, one
-                                          forward pass over every slot, the cache read once
+    admit_rows(decoder, pool, rows, ...)    question prefills, each on a fresh batch-1 state
+                                            (`sampler.extend`), become rows `rows`
+    prefill_rows(decoder, pool, rows, ...)  appends a left-padded chunk to each of rows `rows`
+                                            (source token, knowledge, tail)
+    steps(decoder, pool, live, ...)         decode steps until a row ends (or a step count): each
+                                            picks every live row's next token and appends it, one
+                                            forward pass over every slot, the cache read once
 
 A row is a batch-1 `DecodeState` (leading axis = slot), so a step is `sampler._extend` mapped
 over the slots and a row's tokens land in the same columns, at the same positions, as in a
-batch of its own. Every call takes the pool donated (updated in place; use the one returned).
+batch of its own. `admit_rows` and `prefill_rows` map it over the rows they are given, so that
+requests changing phase together share one call; their `rows` [R] may be padded with indices past
+the pool (such a row reads a real one and is never written). Every call takes the pool donated
+(updated in place; use the one returned).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, nucleus
+from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, nucleus
 from jaxrag.models.decoder import Decoder, init_cache
 from jaxrag.models.kv_cache import KVCache, LayerCache
 
@@ -59,25 +64,37 @@ def _pool(rows: DecodeState) -> SlotPool:
     return SlotPool(cache, rows.key_mask[:, 0], rows.next_pos[:, 0], rows.slot, rows.logits[:, 0])
 
 
-@partial(jax.jit, donate_argnums=0)
-def insert(pool: SlotPool, state: DecodeState, row) -> SlotPool:
-    """Row `row` of the pool becomes the batch-1 `state` (its cache columns from 0; the pool's
-    longer rows keep the rest masked)."""
-    rows, one = _rows(pool), state
-    put = lambda whole, part: jax.lax.dynamic_update_index_in_dim(
-        whole, jnp.zeros(whole.shape[1:], whole.dtype).at[tuple(slice(0, d) for d in part.shape)].set(part), row, 0)
-    cache = tuple(LayerCache(put(p.k, s.k), put(p.v, s.v)) for p, s in zip(rows.cache, one.cache))
-    return _pool(DecodeState(cache, put(rows.key_mask, one.key_mask), rows.next_pos.at[row].set(one.next_pos),
-                             rows.slot.at[row].set(one.slot), rows.logits.at[row].set(one.logits)))
+def _gather(pool: SlotPool, rows) -> DecodeState:
+    """Pool rows `rows` [R] as stacked batch-1 states (an index past the pool reads the last row)."""
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), _rows(pool))
+
+
+def _scatter(pool: SlotPool, rows, part: DecodeState) -> SlotPool:
+    """`part`'s stacked batch-1 states written to pool rows `rows`; indices past the pool dropped."""
+    return _pool(jax.tree.map(lambda whole, x: whole.at[rows].set(x, mode="drop"), _rows(pool), part))
+
+
+@partial(nnx.jit, static_argnames=("length", "hidden_layer"), donate_argnums=1)
+def admit_rows(decoder: Decoder, pool: SlotPool, rows, ids, mask, length: int, hidden_layer: int):
+    """Question prefills: row i of the left-padded ids/mask [R, t] is extended onto a fresh batch-1
+    state of `length` cache columns (what `route` runs for that question alone) and becomes pool
+    row rows[i], its columns from 0 (the pool's longer rows keep the rest masked). Returns (pool,
+    each row's next-token logits [R, vocab], `hidden_layer`'s state at its last token [R, hidden])."""
+    fresh = init_state(decoder, 1, length)
+    new, hidden = jax.vmap(lambda i, m: _extend(decoder, fresh, i, m, hidden_layer))(ids[:, None], mask[:, None])
+    width = pool.key_mask.shape[1]
+    pad = lambda x, axis: jnp.pad(x, [(0, width - length if a == axis else 0) for a in range(x.ndim)])
+    new = new._replace(cache=tuple(LayerCache(pad(c.k, 2), pad(c.v, 2)) for c in new.cache),
+                       key_mask=pad(new.key_mask, 2))
+    return _scatter(pool, rows, new), new.logits[:, 0], hidden[:, 0]
 
 
 @partial(nnx.jit, donate_argnums=1)
-def prefill_row(decoder: Decoder, pool: SlotPool, row, ids, mask) -> SlotPool:
-    """Appends a left-padded chunk ids/mask [1, t] to row `row`'s cache (one forward pass)."""
-    rows = _rows(pool)
-    one = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row, keepdims=False), rows)
-    one, _ = _extend(decoder, one, ids, mask)
-    return _pool(jax.tree.map(lambda whole, x: jax.lax.dynamic_update_index_in_dim(whole, x, row, 0), rows, one))
+def prefill_rows(decoder: Decoder, pool: SlotPool, rows, ids, mask) -> SlotPool:
+    """Appends row i of the left-padded chunks ids/mask [R, t] to pool row rows[i], as
+    `sampler.extend` appends it to that row alone (one forward pass over the R rows)."""
+    new = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])(_gather(pool, rows), ids[:, None], mask[:, None])
+    return _scatter(pool, rows, new)
 
 
 def sample_rows(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:

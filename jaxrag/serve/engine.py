@@ -1,23 +1,25 @@
 """Continuous batching for SR-RAG: a fixed pool of decode slots, each request in a phase of its own.
 
-    queue --admit--> T_d: the question alone (`sampler.extend`, as `routing.route` on one row), p_M,
+    queue --admit--> T_d: the question prefill (`sampler.extend`, as `routing.route` on one row), p_M,
                      the policy (p_M x kNN p_D), the source token; the row joins the pool
        <Self>  -> verbalize: pool steps until <EOK> / EOS / budget       (T_v)
        <Wiki>  -> retrieval worker (batched over the rows waiting)       (T_r)
        <None>  -> nothing
             -> knowledge chunk + `<EOK> Answer:` into the row, then answer steps  (T_g)
 
-One engine thread runs the loop: admit what fits, hand finished retrievals back, decode steps
-over every decoding row (`slots.steps`, on device until a row ends its phase), repeat. Retrieval
-runs on its own thread, so a row waiting for passages never stalls the others, and questions
-that need passages at the same time share one encoder + index call. Every prefill and decode
-shape is bucketed and compiled by `warm_up` before the first request; the metrics count the
-programs traced after it (zero while serving).
+One engine thread runs the loop: admit what fits, hand finished retrievals back, prefill the
+knowledge of the rows that have it, decode steps over every decoding row (`slots.steps`, on
+device until a row ends its phase), repeat. Rows that reach a prefill together share one call
+(`slots.admit_rows`: the questions admitted together whose prompts share a length bucket;
+`slots.prefill_rows`: source tokens, knowledge chunks of one width), padded to a power of two
+up to the slot count. Retrieval runs on its own thread, so a row waiting for passages never
+stalls the others, and questions that need passages at the same time share one encoder + index
+call. Every prefill and decode shape is bucketed and compiled by `warm_up` before the first
+request; the metrics count the programs traced after it (zero while serving).
 
-A row's question prefill and source choice run the very programs `route` runs for that question
-alone (same prompt bucket, cache length, columns and positions), and its decode steps compute what
-`sampler.decode` computes for it alone, in a wider batch: greedy answers and traces equal
-`SRRAG.ask([q])` (`tests/test_serve.py`).
+A row's prefills and decode steps compute what `route` computes for that question alone (same
+prompt bucket, cache length, columns and positions), mapped over the rows of a wider batch:
+greedy answers and traces equal `SRRAG.ask([q])` (`tests/test_serve.py`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxrag.decode.policy import PolicyInputs, source_probabilities
 from jaxrag.decode.routing import Routed, answer_text, knowledge_chunk, knowledge_text, phase_lengths
-from jaxrag.decode.sampler import NO_TOKEN, bucket, extend, init_state, left_pad, stop_matrix
-from jaxrag.decode.slots import init_pool, insert, prefill_row, steps
+from jaxrag.decode.sampler import NO_TOKEN, bucket, left_pad, stop_matrix
+from jaxrag.decode.slots import admit_rows, init_pool, prefill_rows, steps
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import EOK, NONE, SELF, source_token
 from jaxrag.policies.srrag import srrag_policy
@@ -61,15 +64,21 @@ class Engine:
         self.slots, self.max_queue, self.max_question_tokens = int(slots), int(max_queue), int(max_question_tokens)
         self.prompt_buckets = sorted({bucket(n) for n in range(1, self.max_question_tokens + 1)})
         self.chunk_buckets = sorted({min(self.klen, bucket(n)) for n in range(1, self.klen + 1)})
+        # rows per prefill call: powers of two up to the slot count
+        self.row_buckets = sorted({min(1 << b, self.slots) for b in range(self.slots.bit_length() + 1)})
         self.max_k = min(MAX_K, len(system.datastore))
         self.pool = init_pool(self.dec, self.slots, self._length(self.prompt_buckets[-1]))
         self.rows: list[Job | None] = [None] * self.slots
         self.waiting: collections.deque[Job] = collections.deque()
         self.found: list[tuple[Job, list]] = []
+        self.ready: list[tuple[Job, list[int]]] = []  # knowledge chunks to prefill, this loop
         self.to_retrieve: list[Job] = []
         self.cv, self.retrieval_cv = threading.Condition(), threading.Condition()
         self.stopping, self.stopped, self.dispatches, self.key = False, False, 0, jax.random.key(0)
         self.metrics = Metrics(self)
+        # The decoder bound once: nnx.jit would walk its module graph on every call.
+        self._admit_rows, self._prefill_rows, self._steps = (nnx.cached_partial(f, self.dec)
+                                                             for f in (admit_rows, prefill_rows, steps))
         self.threads = [threading.Thread(target=self._loop, name="srrag-engine", daemon=True),
                         threading.Thread(target=self._retrieve_loop, name="srrag-retrieval", daemon=True)]
 
@@ -139,17 +148,18 @@ class Engine:
                 t.join()
 
     def warm_up(self) -> None:
-        """Compiles every program a request can run, before the first one: the question prefill
-        and source token per prompt bucket (with the datastore search), the knowledge chunk per
-        chunk bucket, the pool's decode steps, and the retriever per encoder length bucket."""
+        """Compiles every program a request can run, before the first one: per row bucket, the
+        question prefill per prompt bucket, the source token and the knowledge chunk per chunk
+        bucket; the datastore search, the pool's decode steps, and the retriever per encoder
+        length bucket."""
         filler = self.tail[-1]
-        for plen in self.prompt_buckets:
-            state, p_src, hidden = self._select([filler] * plen)
-            self._policy(self.system.k)(PolicyInputs([""], self.sources, p_src, hidden))
-            self.pool = insert(self.pool, self._append_source(state, self.sources[0]), jnp.int32(0))
-        for width in self.chunk_buckets:
-            ids, mask = left_pad([[filler] * width], width, 1)
-            self.pool = prefill_row(self.dec, self.pool, jnp.int32(0), jnp.asarray(ids), jnp.asarray(mask))
+        for n in self.row_buckets:
+            rows = np.full(n, self.slots, np.int32)  # padding rows only: the pool is not written
+            for plen in self.prompt_buckets:
+                p_src, hidden = self._prefill_questions(rows, [[filler] * plen] * n)
+            for width in [1, *self.chunk_buckets]:
+                self._prefill(rows, [[filler] * width] * n, width)
+        self._policy(self.system.k)(PolicyInputs([""], self.sources, p_src[:1], hidden[:1]))
         self._run_steps(np.ones(self.slots, bool), np.full((self.slots, 2), NO_TOKEN, np.int32),
                         np.ones(self.slots, np.int32), np.full(self.slots, 0.5, np.float32),
                         np.full(self.slots, 0.9, np.float32))
@@ -186,17 +196,22 @@ class Engine:
                     self.rows[job.slot] = job
                     admit.append(job)
                 found, self.found = self.found, []
+            by_bucket: dict[int, list[Job]] = {}
             for job in admit:
-                self._guarded(job, self._admit)
+                by_bucket.setdefault(bucket(len(job.prompt)), []).append(job)
+            for jobs in by_bucket.values():
+                self._together(jobs, self._admit)
             for job, hits in found:
                 if self.rows[job.slot] is job and not job.cancelled:
                     self._guarded(job, lambda j: self._retrieved(j, hits))
+            self._prefill_knowledge()
             if any(j is not None and j.phase in ("verbalize", "answer") for j in self.rows):
                 try:
                     self._step()
                 except Exception as e:  # the pool is lost with the call: its rows fail, the engine goes on
                     for job in [j for j in self.rows if j is not None and j.phase in ("verbalize", "answer")]:
                         self._fail(job, e)
+                self._prefill_knowledge()
 
     def _work(self) -> bool:
         return bool(self.found or (self.waiting and None in self.rows)
@@ -207,6 +222,14 @@ class Engine:
             fn(job)
         except Exception as e:  # one request's failure is its own; the engine keeps serving
             self._fail(job, e)
+
+    def _together(self, jobs: list[Job], fn) -> None:
+        """fn(jobs), one call for rows that share a program; its failure fails those rows only."""
+        try:
+            fn(jobs)
+        except Exception as e:
+            for job in jobs:
+                self._fail(job, e)
 
     def _fail(self, job: Job, e: Exception) -> None:
         with self.cv:
@@ -219,17 +242,24 @@ class Engine:
         job.phase = outcome
         self.metrics.finished(outcome)
 
-    def _select(self, prompt: list[int]):
-        """T_d as `route` runs it on one row: prefill, p_M, the hidden state at <EOQ>."""
-        plen = bucket(len(prompt))
-        state = init_state(self.dec, 1, self._length(plen))
-        ids, mask = left_pad([prompt], plen, 1)
-        state, hidden = extend(self.dec, state, jnp.asarray(ids), jnp.asarray(mask), hidden_layer=self.cfg.hidden_layer)
-        return state, source_probabilities(state.logits[:1], self.src_ids), np.asarray(hidden[:1])
+    def _row_indices(self, jobs: list[Job]) -> np.ndarray:
+        """The jobs' slots, padded to a row bucket with an index past the pool (never written)."""
+        n = next(r for r in self.row_buckets if r >= len(jobs))
+        return np.array([j.slot for j in jobs] + [self.slots] * (n - len(jobs)), np.int32)
 
-    def _append_source(self, state, source: str):
-        ids, mask = left_pad([[self.src_ids[self.sources.index(source)]]], 1, 1)
-        return extend(self.dec, state, jnp.asarray(ids), jnp.asarray(mask))[0]
+    def _prefill_questions(self, rows: np.ndarray, prompts: list[list[int]]):
+        """T_d's prefill as `route` runs it on one row, for each prompt (one length bucket) into
+        its row: p_M [rows, sources] and the hidden state at <EOQ> [rows, hidden]."""
+        plen = bucket(max(map(len, prompts)))
+        ids, mask = left_pad(prompts, plen, len(rows))
+        self.pool, logits, hidden = self._admit_rows(self.pool, jnp.asarray(rows), jnp.asarray(ids),
+                                               jnp.asarray(mask), length=self._length(plen),
+                                               hidden_layer=self.cfg.hidden_layer)
+        return source_probabilities(logits, self.src_ids), np.asarray(hidden)
+
+    def _prefill(self, rows: np.ndarray, chunks: list[list[int]], width: int) -> None:
+        ids, mask = left_pad(chunks, width, len(rows))
+        self.pool = self._prefill_rows(self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(mask))
 
     def _policy(self, k: int):
         """SR-RAG's policy with p_D from the k nearest entries (one search at `max_k`: one program)."""
@@ -237,27 +267,35 @@ class Engine:
         return srrag_policy(lambda keys: store.neighbour_labels(np.asarray(keys, np.float32), self.max_k)[:, :k],
                             self.system.tau)
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, jobs: list[Job]) -> None:
+        """T_d for questions admitted together whose prompts share a length bucket: their
+        prefills in one call, each one's policy, their source tokens in one call."""
         start = time.perf_counter()
-        job.latency["queue"] = start - job.submitted
-        state, p_src, hidden = self._select(job.prompt)
-        decision = self._policy(job.options.k or self.system.k)(PolicyInputs([job.question], self.sources, p_src, hidden))
-        job.source = job.options.source or self.sources[int(np.asarray(decision.source)[0])]
-        job.p_model = p_src[0].tolist()
-        job.p_datastore = None if decision.p_datastore is None else np.asarray(decision.p_datastore[0]).tolist()
-        job.score = None if decision.score is None else float(decision.score[0])
-        self.pool = jax.block_until_ready(insert(self.pool, self._append_source(state, job.source), jnp.int32(job.slot)))
-        job.latency["T_d"] = time.perf_counter() - start
-        if job.source == SELF:
-            job.phase, job.tokens, job.budget, job.stops = "verbalize", [], self.cfg.max_verbal_tokens, [self.eok, *self.eos]
-            job.phase_start = time.perf_counter()
-        elif job.source == NONE:
-            self._knowledge(job, [])
-        else:
-            job.phase, job.phase_start = "retrieve", time.perf_counter()
-            with self.retrieval_cv:
-                self.to_retrieve.append(job)
-                self.retrieval_cv.notify_all()
+        rows = self._row_indices(jobs)
+        p_src, hidden = self._prefill_questions(rows, [job.prompt for job in jobs])
+        for i, job in enumerate(jobs):
+            job.latency["queue"] = start - job.submitted
+            inputs = PolicyInputs([job.question], self.sources, p_src[i:i + 1], hidden[i:i + 1])
+            decision = self._policy(job.options.k or self.system.k)(inputs)
+            job.source = job.options.source or self.sources[int(np.asarray(decision.source)[0])]
+            job.p_model = p_src[i].tolist()
+            job.p_datastore = None if decision.p_datastore is None else np.asarray(decision.p_datastore[0]).tolist()
+            job.score = None if decision.score is None else float(decision.score[0])
+        self._prefill(rows, [[self.src_ids[self.sources.index(job.source)]] for job in jobs], 1)
+        jax.block_until_ready(self.pool)
+        t_d = time.perf_counter() - start
+        for job in jobs:
+            job.latency["T_d"] = t_d
+            if job.source == SELF:
+                job.phase, job.tokens, job.budget, job.stops = "verbalize", [], self.cfg.max_verbal_tokens, [self.eok, *self.eos]
+                job.phase_start = time.perf_counter()
+            elif job.source == NONE:
+                self._knowledge(job, [])
+            else:
+                job.phase, job.phase_start = "retrieve", time.perf_counter()
+                with self.retrieval_cv:
+                    self.to_retrieve.append(job)
+                    self.retrieval_cv.notify_all()
 
     def _retrieved(self, job: Job, hits) -> None:
         job.latency["T_r"] = time.perf_counter() - job.phase_start
@@ -265,17 +303,31 @@ class Engine:
         self._knowledge(job, [h.passage.to_prompt() for h in hits])
 
     def _knowledge(self, job: Job, passages: list[str] | None) -> None:
-        """Knowledge (passages; nothing for Self, whose verbalization is in the row) and
-        `<EOK> Answer:` into the row; then the answer phase (T_g, as `route` times it)."""
+        """The row's knowledge chunk (passages; nothing for Self, whose verbalization is in the
+        row) and `<EOK> Answer:`, prefilled by `_prefill_knowledge` in this loop; T_g starts
+        (as `route` times it)."""
         job.phase_start = time.perf_counter()
         job.passages = passages
         has_eok = job.verbal_stopped and bool(job.verbal) and job.verbal[-1] == self.eok
         chunk, job.truncated = knowledge_chunk(self.tok, passages, job.verbal_stopped, has_eok, self.tail,
                                                self.cfg.max_knowledge_tokens)
-        ids, mask = left_pad([chunk], min(self.klen, bucket(len(chunk))), 1)
-        self.pool = prefill_row(self.dec, self.pool, jnp.int32(job.slot), jnp.asarray(ids), jnp.asarray(mask))
-        job.phase, job.tokens, job.stops = "answer", [], self.eos
-        job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
+        job.phase = "knowledge"
+        self.ready.append((job, chunk))
+
+    def _prefill_knowledge(self) -> None:
+        """The ready rows' chunks into their rows, one call per chunk width; then their answer phase."""
+        ready, self.ready = self.ready, []
+        by_width: dict[int, list[tuple[Job, list[int]]]] = {}
+        for job, chunk in ready:
+            if self.rows[job.slot] is job and not job.cancelled:
+                by_width.setdefault(min(self.klen, bucket(len(chunk))), []).append((job, chunk))
+        for width, group in by_width.items():
+            jobs = [job for job, _ in group]
+            self._together(jobs, lambda jobs: self._prefill(self._row_indices(jobs), [c for _, c in group], width))
+            for job in jobs:
+                if job.phase == "knowledge":
+                    job.phase, job.tokens, job.stops = "answer", [], self.eos
+                    job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
 
     def _step(self) -> None:
         live = np.array([j is not None and j.phase in ("verbalize", "answer") for j in self.rows])
@@ -304,7 +356,7 @@ class Engine:
                     self._finish(job, "stop" if hit else "length")
 
     def _run_steps(self, live, stops, budget, temperature, top_p) -> np.ndarray:
-        self.pool, tokens, _ = steps(self.dec, self.pool, jnp.asarray(live), jnp.asarray(stops), jnp.asarray(budget),
+        self.pool, tokens, _ = self._steps(self.pool, jnp.asarray(live), jnp.asarray(stops), jnp.asarray(budget),
                                      jnp.asarray(temperature), jnp.asarray(top_p),
                                      jax.random.fold_in(self.key, self.dispatches), max_steps=STEPS_PER_CALL)
         self.dispatches += 1
