@@ -28,9 +28,9 @@ from real_data import FILES, write_real_data  # noqa: E402
 EVAL = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
 METHODS = {"no_ft_always_rag", "no_ft_genread", "selective_always_rag", "selective_rag", "srrag_always_rag",
            "srrag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo", "ik", "seakr", "ccsk"}
-# Run on its own (`python -m pytest -m ci_step tests/test_real_path.py`; .ci/run says why CI does
-# not for now): beside the suite's multi-process tests, several XLA processes on 2 cores took the
-# real model's eval past 40 minutes. Its 2-process run is on demand (below).
+# Run on its own (`python -m pytest -m ci_step tests/test_real_path.py`, CI's step after the suite):
+# beside the suite's multi-process tests, several XLA processes on 2 cores took the real model's
+# eval past 40 minutes. Its 2-process run is on demand (below).
 pytestmark = pytest.mark.ci_step
 
 
