@@ -50,6 +50,14 @@ MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched onc
 STEPS_PER_CALL = 16
 
 
+def _grouped(items, key) -> dict:
+    """items by key(item), in order: the rows that share one prefill program."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
+
+
 class Engine:
     def __init__(self, system, *, slots: int = 8, max_queue: int = 256, max_question_tokens: int = 256):
         model, cfg = system.model, system.route_cfg
@@ -196,10 +204,7 @@ class Engine:
                     self.rows[job.slot] = job
                     admit.append(job)
                 found, self.found = self.found, []
-            by_bucket: dict[int, list[Job]] = {}
-            for job in admit:
-                by_bucket.setdefault(bucket(len(job.prompt)), []).append(job)
-            for jobs in by_bucket.values():
+            for jobs in _grouped(admit, lambda job: bucket(len(job.prompt))).values():
                 self._together(jobs, self._admit)
             for job, hits in found:
                 if self.rows[job.slot] is job and not job.cancelled:
@@ -252,9 +257,8 @@ class Engine:
         its row: p_M [rows, sources] and the hidden state at <EOQ> [rows, hidden]."""
         plen = bucket(max(map(len, prompts)))
         ids, mask = left_pad(prompts, plen, len(rows))
-        self.pool, logits, hidden = self._admit_rows(self.pool, jnp.asarray(rows), jnp.asarray(ids),
-                                               jnp.asarray(mask), length=self._length(plen),
-                                               hidden_layer=self.cfg.hidden_layer)
+        self.pool, logits, hidden = self._admit_rows(self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(mask),
+                                                     length=self._length(plen), hidden_layer=self.cfg.hidden_layer)
         return source_probabilities(logits, self.src_ids), np.asarray(hidden)
 
     def _prefill(self, rows: np.ndarray, chunks: list[list[int]], width: int) -> None:
@@ -316,12 +320,9 @@ class Engine:
 
     def _prefill_knowledge(self) -> None:
         """The ready rows' chunks into their rows, one call per chunk width; then their answer phase."""
-        ready, self.ready = self.ready, []
-        by_width: dict[int, list[tuple[Job, list[int]]]] = {}
-        for job, chunk in ready:
-            if self.rows[job.slot] is job and not job.cancelled:
-                by_width.setdefault(min(self.klen, bucket(len(chunk))), []).append((job, chunk))
-        for width, group in by_width.items():
+        ready = [(job, chunk) for job, chunk in self.ready if self.rows[job.slot] is job and not job.cancelled]
+        self.ready = []
+        for width, group in _grouped(ready, lambda item: min(self.klen, bucket(len(item[1])))).items():
             jobs = [job for job, _ in group]
             self._together(jobs, lambda jobs: self._prefill(self._row_indices(jobs), [c for _, c in group], width))
             for job in jobs:
@@ -357,8 +358,8 @@ class Engine:
 
     def _run_steps(self, live, stops, budget, temperature, top_p) -> np.ndarray:
         self.pool, tokens, _ = self._steps(self.pool, jnp.asarray(live), jnp.asarray(stops), jnp.asarray(budget),
-                                     jnp.asarray(temperature), jnp.asarray(top_p),
-                                     jax.random.fold_in(self.key, self.dispatches), max_steps=STEPS_PER_CALL)
+                                           jnp.asarray(temperature), jnp.asarray(top_p),
+                                           jax.random.fold_in(self.key, self.dispatches), max_steps=STEPS_PER_CALL)
         self.dispatches += 1
         return np.asarray(tokens)
 
