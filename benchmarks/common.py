@@ -64,14 +64,18 @@ def qwen2_config(arch: dict, max_positions: int) -> transformers.Qwen2Config:
 
 
 def environment() -> dict:
-    """Where the numbers come from; the load average matters on a shared CPU."""
+    """Where the numbers come from: the machine, the versions, the code (`code_identity`: commit and
+    whether the tree was dirty) and the load average, which matters on a shared CPU. Call it before
+    measuring: `load_avg_start` is read here."""
     import torch
+
+    from jaxrag.pipeline.provenance import code_identity
 
     dev = jax.devices()[0]
     return {"backend": jax.default_backend(), "device": dev.device_kind, "devices": jax.device_count(),
             "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "jax": jax.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "load_avg_start": load_average()}
+            "transformers": transformers.__version__, "code": code_identity(), "load_avg_start": load_average()}
 
 
 def load_average() -> list[float]:

@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def measure(args, export: Path, fractions: list[float]) -> dict:
+    env = environment()
     questions = tiny_questions(args.requests, args.seed + 100)
     system = SRRAG.load(export)
     for start in range(0, len(questions), args.slots):  # static batching's programs, compiled first
@@ -300,8 +301,8 @@ def measure(args, export: Path, fractions: list[float]) -> dict:
     goals = {"saturation_ratio": round(saturation["server"]["throughput"] / saturation["static"]["throughput"], 3),
              "p99_ratio_at_0.7": round(at70["server"]["p99_s"] / at70["static"]["p99_s"], 3)}
     goals["met"] = goals["saturation_ratio"] >= 1.5 and goals["p99_ratio_at_0.7"] <= 0.5
-    result = {"model": args.model if not args.export else str(export), "slots": args.slots, "requests": len(questions), "tau": system.tau,
-              "environment": environment(), "saturation": saturation, "runs": runs, "goals": goals}
+    result = {"model": args.model if not args.export else str(export), "slots": args.slots,
+              "requests": len(questions), "tau": system.tau, "environment": env, "saturation": saturation, "runs": runs, "goals": goals}
     write_json(args.json, result)
     return result
 
