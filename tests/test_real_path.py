@@ -6,7 +6,6 @@ transformers, kill -9 during construct, a changed config refused, and the same r
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,7 @@ METHODS = {"no_ft_always_rag", "no_ft_genread", "selective_always_rag", "selecti
            "srrag", "srrag_no_knn", "srrag_no_kv_label", "srrag_no_dpo", "ik", "seakr", "ccsk"}
 # Run on its own (`python -m pytest -m ci_step tests/test_real_path.py`, CI's step after the suite):
 # beside the suite's multi-process tests, several XLA processes on 2 cores took the real model's
-# eval past 40 minutes. Its 2-process run is on demand (below).
+# eval past 40 minutes. Its 2-process run (the last test) is part of the step.
 pytestmark = pytest.mark.ci_step
 
 
@@ -181,8 +180,6 @@ def test_a_bad_row_stops_before_base_naming_file_row_and_field(data, tmp_path):
     assert not (tmp_path / "run" / "base").exists()
 
 
-@pytest.mark.skipif(not os.environ.get("JAXRAG_REAL_PATH_TWO_PROCESSES"),
-                    reason="on demand (JAXRAG_REAL_PATH_TWO_PROCESSES=1): a second real run, as 2 processes")
 def test_two_processes_give_the_single_process_results(run, data, tmp_path):
     """The same command as 2 processes x 1 device through `launch/local.sh` (jax.distributed over
     127.0.0.1, gloo): the data axis spans the processes, so every training step's gradients are
