@@ -29,11 +29,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import jax
-from jax.experimental import multihost_utils
 
 from jaxrag.errors import FAILURE_HOOKS, JaxragError
 
 SILENCE_S = 20.0  # a peer whose heartbeat stalls this long is lost (JAX's own timeout is 100 s)
+BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000  # a barrier outwaits any stage: a lost peer is the watchdog's
 _PREFIX = "jaxrag"
 _watchdog: dict[str, subprocess.Popen] = {}
 
@@ -54,9 +54,14 @@ def _client():
 
 
 def barrier(name: str) -> None:
-    """Every process reaches this point before any goes on (a device collective, in order)."""
+    """Every process reaches this point before any goes on: a barrier of the coordinator's
+    key-value service (`name` is unique in a run), which waits as long as the slowest process
+    works; a lost process is the watchdog's to report. Not a device collective: processes reach a
+    barrier minutes apart (process 0 alone runs some stages; the fit check compiles), and on CPU
+    devices the first collective over a set of devices gives its peers 30 s to join (gloo's
+    rendezvous), so a barrier that was the run's first collective failed the run."""
     if is_multiprocess():
-        multihost_utils.sync_global_devices(f"{_PREFIX}:{name}")
+        _client().client.wait_at_barrier(f"{_PREFIX}/barrier/{name}", BARRIER_TIMEOUT_MS)
 
 
 def _tell(line: str) -> None:

@@ -9,6 +9,7 @@ The mesh (data=1, fsdp=4) splits every parameter across the two processes, so ev
 step's collectives (and DPO's reference scoring, the base probe's generation) cross them."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -180,3 +181,37 @@ def test_local_launcher_dry_run_prints_one_command_per_process():
         f"env JAX_COORDINATOR_ADDRESS=127.0.0.1:9000 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} JAX_PLATFORMS=cpu "
         f"XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m jaxrag.train "
         "--config configs/qwen.py:tiny --workdir /w --config.seed=1" for i in range(3)]
+
+
+BARRIER_PROGRAM = """
+import sys, time
+from jaxrag.sharding import initialize_distributed
+initialize_distributed()
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from jaxrag import multihost
+if jax.process_index() == 1:
+    time.sleep(float(sys.argv[1]))  # the fit check compiling, or a stage process 0 runs alone
+multihost.barrier("late")
+print(multihost_utils.process_allgather(np.array([jax.process_index()])).tolist())
+"""
+
+
+def test_a_process_reaching_the_first_barrier_late_is_waited_for():
+    """Process 1 meets the run's first barrier 40 s after process 0: the barrier waits (a device
+    collective there gave its peer 30 s to join: gloo's rendezvous), and the collective after it
+    spans both processes."""
+    port = free_ports()
+    env = lambda i: {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+                     "JAX_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu",
+                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [subprocess.Popen([sys.executable, "-c", BARRIER_PROGRAM, "40"], cwd=REPO, env=env(i), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    try:
+        outcomes = [(p.wait(timeout=150), p.stdout.read(), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for code, out, err in outcomes:
+        assert code == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "[[0], [1]]", out  # after gloo's own lines
