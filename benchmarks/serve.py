@@ -319,7 +319,8 @@ def measure(args, export: Path, fractions: list[float]) -> dict:
              "p99_ratio_at_0.7": round(at70["server"]["p99_s"] / at70["static"]["p99_s"], 3)}
     goals["met"] = goals["saturation_ratio"] >= 1.5 and goals["p99_ratio_at_0.7"] <= 0.5
     result = {"model": args.model if not args.export else str(export), "slots": args.slots,
-              "requests": len(questions), "tau": system.tau, "environment": env, "saturation": saturation, "runs": runs, "goals": goals}
+              "requests": len(questions), "tau": system.tau, "environment": env, "saturation": saturation,
+              "runs": runs, "goals": goals}
     write_json(args.json, result)
     return result
 
