@@ -159,6 +159,7 @@ def main(argv=None) -> dict:
         parser.error(f"--n {args.n}: ScaNN needs at least {20 * K} vectors to partition")
     if not Path(args.json).parent.is_dir():
         parser.error(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    env = environment()
     x = clustered(args.n, args.dim, args.clusters, min(args.intrinsic_dim, args.dim))
     q = queries_near(x, args.queries)
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +168,7 @@ def main(argv=None) -> dict:
             found["encoder"] = bench_encoder(args.encoder_passages)
         if args.datastore_keys > 0:
             found["datastore"] = bench_datastore(args.datastore_keys, Path(tmp))
-    result = {**environment(), **found}
+    result = {**env, **found}
     write_json(args.json, result)
     return result
 

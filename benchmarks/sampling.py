@@ -68,6 +68,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--vocab", type=positive_int, default=49152, help="vocabulary (SmolLM2: 49,152)")
     parser.add_argument("--repeats", type=positive_int, default=5)
     args = parser.parse_args(argv)
+    env = environment()
     logits = np.asarray(jax.random.normal(jax.random.key(0), (args.rows, args.vocab))) * 3.0
     ours_in, theirs_in = jnp.asarray(logits), torch.tensor(logits)
     results = []
@@ -81,7 +82,7 @@ def main(argv=None) -> dict:
                         "same_kept_tokens": bool((kept_by_jaxrag(ours_in, params) == kept).all()),
                         "mean_kept_tokens": float(kept.sum(-1).mean())})
     result = {"benchmark": "sampling", "rows": args.rows, "vocab": args.vocab, "repeats": args.repeats,
-              "environment": environment(), "results": results}
+              "environment": env, "results": results}
     write_json(args.json, result)
     return result
 

@@ -43,6 +43,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from jaxrag.decode.policy import source_probabilities
 from jaxrag.decode.routing import RouteConfig
 from jaxrag.decode.sampler import prefill_last
+from jaxrag.eval.harness import compile_events
 from jaxrag.models.decoder import Decoder
 from jaxrag.models.hf import decoder_config
 from jaxrag.models.model import Model, add_special_tokens, export_hf
@@ -57,7 +58,6 @@ from benchmarks.common import Parser, environment, positive_int, write_json
 TOPICS = ["river", "castle", "violin", "glacier", "comet", "harbor", "orchard", "lantern", "falcon", "canyon",
           "library", "volcano", "meadow", "compass", "island", "bridge"]
 DATASTORE_SIZE = 48
-COMPILES = [0]  # programs traced in this process (static batching's)
 PLACES = ["Norway", "Peru", "Kenya", "Japan", "Chile", "Egypt", "Canada", "Spain"]
 
 
@@ -151,14 +151,6 @@ def srrag_export(out: Path, model: Model, route: RouteConfig, *, seed: int = 0) 
         d, out / "datastore", tau=tau, k=k, route_cfg=route, index_dir=out / "index", encoder=None, n_passages=2))
 
 
-def _traced(event: str, _seconds: float, **_) -> None:
-    if event.endswith("jaxpr_trace_duration"):
-        COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_traced)
-
-
 def arrivals(n: int, rate: float, rng: random.Random) -> np.ndarray:
     """Poisson arrival times (s) of n requests at `rate` per second (inf: all at 0)."""
     if rate == float("inf"):
@@ -179,25 +171,30 @@ def run_static(system: SRRAG, questions: list[str], times: np.ndarray, slots: in
     batch whose row count and length buckets are new compiles its programs inside `ask` (seconds
     on a CPU), which static serving pays once per shape, not per request: a run that compiled
     anything is run again with the same arrivals (up to 3 times), and the run kept says how many
-    programs it compiled (`compiles`: 0 unless every try met a new shape)."""
+    compile events it had (`compiles`: 0 unless every try met a new shape)."""
     for _ in range(3):
-        before = COMPILES[0]
-        pending, done, busy = list(range(len(questions))), np.zeros(len(questions)), 0.0
-        start = time.perf_counter()
-        while pending:
-            now = time.perf_counter() - start
-            if times[pending[0]] > now:
-                time.sleep(times[pending[0]] - now)
-                now = time.perf_counter() - start
-            batch = [i for i in pending if times[i] <= now][:slots]
-            system.ask([questions[i] for i in batch])
-            end = time.perf_counter() - start
-            busy += (end - now) * len(batch) / slots
-            done[batch] = end
-            pending = [i for i in pending if i not in batch]
-        if COMPILES[0] == before:
+        before = compile_events()
+        result = _static_once(system, questions, times, slots)
+        if compile_events() == before:
             break
-    return {**summary(times, done, done, busy / float(done.max())), "compiles": COMPILES[0] - before}
+    return {**result, "compiles": compile_events() - before}
+
+
+def _static_once(system: SRRAG, questions: list[str], times: np.ndarray, slots: int) -> dict:
+    pending, done, busy = list(range(len(questions))), np.zeros(len(questions)), 0.0
+    start = time.perf_counter()
+    while pending:
+        now = time.perf_counter() - start
+        if times[pending[0]] > now:
+            time.sleep(times[pending[0]] - now)
+            now = time.perf_counter() - start
+        batch = [i for i in pending if times[i] <= now][:slots]
+        system.ask([questions[i] for i in batch])
+        end = time.perf_counter() - start
+        busy += (end - now) * len(batch) / slots
+        done[batch] = end
+        pending = [i for i in pending if i not in batch]
+    return summary(times, done, done, busy / float(done.max()))
 
 
 async def _serve_load(url: str, questions: list[str], times: np.ndarray, source: str | None) -> tuple:

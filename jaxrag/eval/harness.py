@@ -50,6 +50,11 @@ def _count_compiles(event: str, duration: float, **kwargs) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
+def compile_events() -> int:
+    """JAX trace / lower / compile events so far in this process: a run that changed it compiled."""
+    return _COMPILES[0]
+
+
 def without_compiles(run: Callable[[], T]) -> T:
     """`run()`, run again when JAX traced or compiled anything during it, and the second result
     kept: a batch shape seen for the first time would otherwise charge its compilation (seconds
