@@ -43,6 +43,7 @@ from jaxrag.policies.srrag import srrag_policy
 from jaxrag.prompts import answer_prefix_ids, prompt_ids
 from jaxrag.serve.jobs import Answer, Job, Options, QueueFull
 from jaxrag.serve.metrics import Metrics
+from jaxrag.serve.retrieval import RetrievalWorker
 
 MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
 # Decode steps per call at most: a call also ends as soon as a row ends its phase, so a waiting
@@ -80,15 +81,14 @@ class Engine:
         self.waiting: collections.deque[Job] = collections.deque()
         self.found: list[tuple[Job, list]] = []
         self.ready: list[tuple[Job, list[int]]] = []  # knowledge chunks to prefill, this loop
-        self.to_retrieve: list[Job] = []
-        self.cv, self.retrieval_cv = threading.Condition(), threading.Condition()
-        self.stopping, self.stopped, self.dispatches, self.key = False, False, 0, jax.random.key(0)
+        self.cv = threading.Condition()
+        self.stopping, self.dispatches, self.key = False, 0, jax.random.key(0)
         self.metrics = Metrics(self)
         # The decoder bound once: nnx.jit would walk its module graph on every call.
         self._admit_rows, self._prefill_rows, self._steps = (nnx.cached_partial(f, self.dec)
                                                              for f in (admit_rows, prefill_rows, steps))
-        self.threads = [threading.Thread(target=self._loop, name="srrag-engine", daemon=True),
-                        threading.Thread(target=self._retrieve_loop, name="srrag-retrieval", daemon=True)]
+        self.retrieval = RetrievalWorker(system, self.slots, self._deliver, self._fail)
+        self.threads = [threading.Thread(target=self._loop, name="srrag-engine", daemon=True), self.retrieval.thread]
 
     def _length(self, plen: int) -> int:
         """Cache slots of a question of `plen` (bucketed) tokens, as `route` sizes it alone."""
@@ -176,7 +176,7 @@ class Engine:
             words = max(1, length - 2)
             while words > 1 and len(encoder.tokenizer("a " * words)["input_ids"]) > length:
                 words -= 1
-            self.search(["a " * words])
+            self.retrieval.search(["a " * words])
         self.metrics.serving()
 
     # --- the engine thread -------------------------------------------------------------------
@@ -186,9 +186,7 @@ class Engine:
             with self.cv:
                 while not self._work():
                     if self.stopping and not self.waiting and not self.busy():
-                        with self.retrieval_cv:
-                            self.stopped = True
-                            self.retrieval_cv.notify_all()
+                        self.retrieval.close()
                         return
                     self.cv.wait()
                 for i, job in enumerate(self.rows):
@@ -297,9 +295,7 @@ class Engine:
                 self._knowledge(job, [])
             else:
                 job.phase, job.phase_start = "retrieve", time.perf_counter()
-                with self.retrieval_cv:
-                    self.to_retrieve.append(job)
-                    self.retrieval_cv.notify_all()
+                self.retrieval.put(job)
 
     def _retrieved(self, job: Job, hits) -> None:
         job.latency["T_r"] = time.perf_counter() - job.phase_start
@@ -384,32 +380,8 @@ class Engine:
         self.metrics.answered(job.latency)
         job.listener("done", Answer(routed, job.hits, reason, len(job.tokens)))
 
-    # --- the retrieval thread ----------------------------------------------------------------
-
-    def _retrieve_loop(self) -> None:
-        while True:
-            with self.retrieval_cv:
-                while not self.to_retrieve:
-                    if self.stopped:
-                        return
-                    self.retrieval_cv.wait()
-                batch, self.to_retrieve = self.to_retrieve, []
-            try:
-                found = self.search([j.question for j in batch])
-            except Exception as e:  # every row of the batch fails; the others keep going
-                for job in batch:
-                    self._fail(job, JaxragError(f"retrieval failed: {e}"))
-                continue
-            with self.cv:
-                self.found.extend(zip(batch, found))
-                self.cv.notify_all()
-
-    def search(self, questions: list[str]) -> list:
-        """Top-n passages per question; batches are padded to the slot count (one program per
-        encoder length bucket)."""
-        out = []
-        for start in range(0, len(questions), self.slots):
-            part = questions[start:start + self.slots]
-            padded = part + [part[0]] * (self.slots - len(part))
-            out += self.system.retriever.search(padded, self.system.n_passages, batch_size=self.slots)[:len(part)]
-        return out
+    def _deliver(self, found: list) -> None:
+        """Passages found by the retrieval thread, taken up by the engine thread's next loop."""
+        with self.cv:
+            self.found.extend(found)
+            self.cv.notify_all()
