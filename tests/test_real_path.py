@@ -7,6 +7,7 @@ Checks results.json and report.md, the export against our logits in transformers
 process killed -9 during construct whose rerun gives the 2 processes' records, a changed config
 refused, and bad data files stopped before the first stage."""
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from multihost_fixtures import free_ports, same_results
+from multihost_fixtures import free_ports
 from real_fixtures import require, smollm_gguf
 
 import jaxrag
@@ -112,12 +113,16 @@ def test_export_loads_in_transformers_with_our_logits(run):
     assert json.loads((workdir / "export" / "config.json").read_text())["vocab_size"] >= len(tok)
 
 
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def test_kill_9_during_construct_then_rerun_gives_the_two_processes_records(run, data, tmp_path):
     """One process alone, in a second workdir sharing the finished base and index (same inputs:
-    skipped) and the fit verdict, is killed once construct has written its first shard, and reruns.
-    Its records are the 2 processes' (there, process p built shards p, p + 2, ... on its own
-    device): labels and texts exactly, log-likelihoods (sums over an answer's tokens) within the
-    float32 rounding of two differently split programs (1e-3 nats)."""
+    skipped) and the fit verdict, is killed once construct has written its first shard, and reruns
+    to the 2 processes' bytes: there, process p built shards p, p + 2, ... whole on its own device,
+    with the programs a single device runs (equal bytes measured at 109ee66 and e2b7376, docs/scale.md)."""
     workdir, _ = run
     other = tmp_path / "run"
     other.mkdir()
@@ -142,14 +147,7 @@ def test_kill_9_during_construct_then_rerun_gives_the_two_processes_records(run,
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "base: done" in done.stdout and "index: done" in done.stdout
-    records = {w: sorted(str(p.relative_to(w / "construct")) for p in (w / "construct").rglob("*.jsonl"))
-               for w in (workdir, other)}
-    assert records[workdir] and records[workdir] == records[other]  # round 1's and the final shards
-    for name in records[workdir]:
-        a, b = ([json.loads(line) for line in (w / "construct" / name).read_text().splitlines()]
-                for w in (workdir, other))
-        same_results(a, b, atol=1e-3, path=name)
-    same_results(*(json.loads((w / "construct" / "stats.json").read_text()) for w in (workdir, other)), atol=1e-6)
+    assert digests(other / "construct") == digests(workdir / "construct")
 
 
 def listing(folder: Path) -> dict[str, tuple[int, int]]:
