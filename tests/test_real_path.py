@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from multihost_fixtures import free_ports
+from multihost_fixtures import free_ports, log
 from real_fixtures import require, smollm_gguf
 
 import jaxrag
@@ -62,7 +62,7 @@ def run(data, tmp_path_factory):
     launcher = [str(REPO / "launch" / "local.sh"), "--processes", "2", "--devices-per-process", "1",
                 "--port", str(free_ports()), "--python", sys.executable]
     proc = subprocess.run([*launcher, *command(data, workdir)[3:]], cwd=REPO, capture_output=True, text=True)
-    out = (workdir / "logs" / "process-0.log").read_text(errors="replace").replace("\r", "\n")
+    out = log(workdir, 0)
     assert proc.returncode == 0, proc.stderr[-2000:] + out[-3000:]
     return workdir, out
 
