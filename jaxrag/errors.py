@@ -13,7 +13,7 @@ class JaxragError(Exception):
     """A user-facing error: one clear message naming the file/field and what is wrong."""
 
 
-# Called with the failure's one line before a CLI exits on it (`jaxrag.multihost` adds the one that
+# Called with the failure's one line before a CLI exits on it (`jaxrag.runtime.multihost` adds the one that
 # tells the other processes of a multi-process run).
 FAILURE_HOOKS: list[Callable[[str], None]] = []
 

@@ -67,6 +67,6 @@ def _release_host_memory():
     trims by itself, so without this a worker keeps the high-water mark of every module it ran
     (~10 GB by the end of the suite), beside a subprocess pipeline of its own on the other worker."""
     yield
-    from jaxrag import host_memory
+    from jaxrag.runtime import host_memory
 
     host_memory.release()

@@ -147,7 +147,7 @@ def test_cpu_temporaries_are_reused_not_faulted_in_per_call():
 
 _RELEASE = """
 import numpy as np
-from jaxrag import host_memory
+from jaxrag.runtime import host_memory
 from jaxrag.pipeline.cli import reuse_cpu_temporaries
 assert reuse_cpu_temporaries()
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20  # MB resident

@@ -1,4 +1,5 @@
-"""Independent work side by side (`jaxrag.pipeline.lanes`, `jaxrag.concurrency`): order, concurrency, stopping, same results."""
+"""Independent work side by side (`jaxrag.pipeline.lanes`, `jaxrag.runtime.concurrency`): order,
+concurrency, stopping, same results."""
 
 import os
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from flax import nnx
 from train_fixtures import tiny_model, train_config
 
-from jaxrag import concurrency
+from jaxrag.runtime import concurrency
 from jaxrag.pipeline import lanes
 from jaxrag.train import stages
 
@@ -121,7 +122,7 @@ def test_models_saved_side_by_side_hold_the_orbax_lock_and_load_back(tmp_path, m
 
 CTRL_C = r"""
 import sys, time
-from jaxrag import concurrency
+from jaxrag.runtime import concurrency
 from jaxrag.errors import run
 from jaxrag.pipeline import lanes
 

@@ -189,7 +189,7 @@ from jaxrag.sharding import initialize_distributed
 initialize_distributed()
 import jax, numpy as np
 from jax.experimental import multihost_utils
-from jaxrag import multihost
+from jaxrag.runtime import multihost
 if jax.process_index() == 1:
     time.sleep(float(sys.argv[1]))  # the fit check compiling, or a stage process 0 runs alone
 multihost.barrier("late")

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrag import host_memory
+from jaxrag.runtime import host_memory
 from jaxrag.data.construct_genread import (
     POOLS,
     ROUND1,

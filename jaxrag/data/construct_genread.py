@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrag import host_memory
+from jaxrag.runtime import host_memory
 from jaxrag.data.schema import write_jsonl
 from jaxrag.decode.sampler import SamplingParams, generate
 from jaxrag.errors import JaxragError

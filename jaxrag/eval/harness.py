@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrag import host_memory
+from jaxrag.runtime import host_memory
 from jaxrag.data.schema import QAExample
 from jaxrag.decode.policy import Policy, PolicyInputs
 from jaxrag.decode.routing import Retrieve, RouteConfig, route, timed

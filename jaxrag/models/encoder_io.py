@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxrag import concurrency
+from jaxrag.runtime import concurrency
 from jaxrag.errors import JaxragError
 from jaxrag.models.encoder import DEFAULT_ENCODER_NAME, POOLING_MODES, BertConfig, BertEncoder, pool
 

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 import transformers
 from flax import nnx
 
-from jaxrag import concurrency
+from jaxrag.runtime import concurrency
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, resolve_dtype, stack_layers, unstack_layers

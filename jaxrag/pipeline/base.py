@@ -11,7 +11,7 @@ import transformers
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxrag import multihost
+from jaxrag.runtime import multihost
 from jaxrag.errors import JaxragError
 from jaxrag.models import hf
 from jaxrag.models.decoder import Decoder

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxrag import multihost
+from jaxrag.runtime import multihost
 from jaxrag.models.model import add_special_tokens
 from jaxrag.models.tokens import NONE, WIKI
 from jaxrag.pipeline import lanes

@@ -28,7 +28,7 @@ def reuse_cpu_temporaries() -> bool:
     mmap and unmaps it on free, so every step faults all of it in again: ~84k page faults and a
     quarter of the step's CPU time in the kernel. One arena that never maps or trims keeps the
     pages: that step 0.60 -> 0.45 s on a 2-core Xeon, bit-identical results. Such a heap gives
-    nothing back by itself: `jaxrag.host_memory` returns freed memory between stages and models
+    nothing back by itself: `jaxrag.runtime.host_memory` returns freed memory between stages and models
     and whenever a long loop has grown by 2 GB. Must run before
     jax is imported (threads keep the arena they first used). Skipped where an accelerator
     plugin is installed (its host side does not need it, and a never-trimmed heap would hold
@@ -46,7 +46,7 @@ def reuse_cpu_temporaries() -> bool:
 # XLA's CPU runtime ends a program whose collective waits more than 40 s for one of its
 # participants. CPU devices share the machine's cores (fake devices, or several processes on one
 # machine): a participant can be that late while a peer thread or process compiles, and the run
-# would abort with a stack trace. A lost process is the watchdog's to report (`jaxrag.watchdog`).
+# would abort with a stack trace. A lost process is the watchdog's to report (`jaxrag.runtime.watchdog`).
 PATIENT_CPU_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=1800",
                            "--xla_cpu_collective_timeout_seconds=1800")
 

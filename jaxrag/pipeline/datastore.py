@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxrag import concurrency
+from jaxrag.runtime import concurrency
 from jaxrag.data.schema import question_key
 from jaxrag.decode.routing import route
 from jaxrag.decode.scoring import score

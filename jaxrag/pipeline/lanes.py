@@ -16,7 +16,7 @@ device, each device waiting in one program for a peer that runs the other, for e
 When a piece fails or the user presses Ctrl-C, the others stop at their next `check()` (every
 training step, encoded batch or routed batch), keeping what they have saved, so a rerun resumes
 them; the first failure is what the caller sees. The state they share (the orbax lock, the stop
-flag, `check()`) is `jaxrag.concurrency`.
+flag, `check()`) is `jaxrag.runtime.concurrency`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import jax
 
-from jaxrag.concurrency import STOP, Stopped, enter_graph, leave_graph
+from jaxrag.runtime.concurrency import STOP, Stopped, enter_graph, leave_graph
 
 
 def run_graph(tasks: dict[str, tuple[Callable[[], object], tuple[str, ...]]], workers: int) -> None:

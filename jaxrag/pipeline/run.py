@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 from ml_collections import ConfigDict
 
-from jaxrag import host_memory, multihost
+from jaxrag.runtime import host_memory, multihost
 from jaxrag.data.check import check_data
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import resolve_model_dir
@@ -117,7 +117,7 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
     same inputs is skipped, stale eval / export are redone, an earlier stale stage stops the run
     before anything is done. `user_set`: fields set on the command line (`config_check`).
 
-    On several processes (`jaxrag.multihost`): each process first shows process 0 its config, data
+    On several processes (`jaxrag.runtime.multihost`): each process first shows process 0 its config, data
     and workdir, and is refused if they differ; every process then plans from the same workdir,
     runs each stage (`LEADER_STAGES`: process 0 alone) and meets the others at a barrier after it."""
     check_config(cfg, user_set)

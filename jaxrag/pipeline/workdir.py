@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from jaxrag import host_memory
+from jaxrag.runtime import host_memory
 from jaxrag.data.check import dataset_examples
 from jaxrag.data.mixture import mixture_split
 from jaxrag.data.schema import QAExample, read_examples

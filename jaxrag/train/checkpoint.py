@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxrag import concurrency
+from jaxrag.runtime import concurrency
 from jaxrag.errors import JaxragError
 
 class Checkpoints:

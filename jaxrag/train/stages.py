@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxrag import concurrency, host_memory, sharding
+from jaxrag import sharding
+from jaxrag.runtime import concurrency, host_memory
 from jaxrag.errors import JaxragError
 from jaxrag.models.lora import Trainable, add_lora
 from jaxrag.models.model import Model, load_model, save_model

@@ -37,7 +37,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrag import concurrency, host_memory, sharding
+from jaxrag import sharding
+from jaxrag.runtime import concurrency, host_memory
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import REMAT_POLICIES, Decoder, LoraDropout
 from jaxrag.models.lora import ROWS, Trainable

@@ -1,5 +1,5 @@
-"""The watchdog beside each process of a multi-host run: `python -m jaxrag.watchdog` (started by
-`jaxrag.multihost.start_watchdog`, never by hand).
+"""The watchdog beside each process of a multi-host run: `python -m jaxrag.runtime.watchdog` (started by
+`jaxrag.runtime.multihost.start_watchdog`, never by hand).
 
 A process of the run may be blocked for ever in a collective whose peer died, holding the GIL:
 no thread of its own can notice. So each process has this small child process (standard library
@@ -192,7 +192,7 @@ class Spoke(Child):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jaxrag.watchdog")
+    parser = argparse.ArgumentParser(prog="python -m jaxrag.runtime.watchdog")
     parser.add_argument("--process", type=int, required=True)
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--parent", type=int, required=True)

@@ -7,7 +7,7 @@ of JAX's runtime (`jax.distributed`) the pipeline adds:
   store, what it was started with (the config, the digests of the files it reads, whether it
   sees a token process 0 wrote into the workdir); a process whose view differs from process 0's
   is refused, by every process, with one line.
-- `start_watchdog`: a child process beside each process (`jaxrag.watchdog`) that stops it with
+- `start_watchdog`: a child process beside each process (`jaxrag.runtime.watchdog`) that stops it with
   one line naming the lost process and the stage it was in (`stage`) when a peer dies or fails:
   a process blocked in a collective whose peer died would wait for ever, deaf to its own
   threads, and JAX's own heartbeat timeout (100 s) aborts with a stack trace.
@@ -81,13 +81,13 @@ def stage(name: str):
 
 
 def start_watchdog() -> None:
-    """Starts this process's watchdog (`jaxrag.watchdog`); its hub listens at the coordinator's
+    """Starts this process's watchdog (`jaxrag.runtime.watchdog`); its hub listens at the coordinator's
     host, one port above the coordinator's."""
     if not is_multiprocess() or "child" in _watchdog:
         return
     host, port = _client().coordinator_address.rsplit(":", 1)
     _watchdog["child"] = subprocess.Popen(
-        [sys.executable, "-m", "jaxrag.watchdog", "--process", str(jax.process_index()),
+        [sys.executable, "-m", "jaxrag.runtime.watchdog", "--process", str(jax.process_index()),
          "--processes", str(jax.process_count()), "--parent", str(os.getpid()), "--host", host,
          "--port", str(int(port) + 1), "--silence", str(SILENCE_S)],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
