@@ -9,6 +9,7 @@ refused, and bad data files stopped before the first stage."""
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -53,16 +54,29 @@ def data(tmp_path_factory):
     return out
 
 
+def stage_seconds(text: str) -> dict[str, str]:
+    """stage -> its duration, from a process's log ("[3/9] construct: finished in 57s")."""
+    return dict(re.findall(r"\] (\w+): finished in (\S+)", text))
+
+
 @pytest.fixture(scope="module")
-def run(data, tmp_path_factory):
+def run(data, tmp_path_factory, request):
     """The whole command once, as 2 processes x 1 device: the data axis spans the processes, so
     every training step's gradients are summed across them and generation and scoring are split
-    between them. Returns the workdir and process 0's output (it prints the stages and the report)."""
+    between them. Returns the workdir and process 0's output (it prints the stages and the report).
+    Each process's stage times go to the terminal, so that CI's log shows where the step's time went."""
     workdir = tmp_path_factory.mktemp("real_path") / "run"
     launcher = [str(REPO / "launch" / "local.sh"), "--processes", "2", "--devices-per-process", "1",
                 "--port", str(free_ports()), "--python", sys.executable]
+    start = time.monotonic()
     proc = subprocess.run([*launcher, *command(data, workdir)[3:]], cwd=REPO, capture_output=True, text=True)
     out = log(workdir, 0)
+    terminal = request.config.pluginmanager.getplugin("terminalreporter")
+    for process in (0, 1):
+        times = stage_seconds(log(workdir, process))
+        terminal.write_line(f"real path, process {process} of 2, stage seconds: "
+                            + ", ".join(f"{stage} {s}" for stage, s in times.items()))
+    terminal.write_line(f"real path: the 2-process run took {time.monotonic() - start:.0f}s")
     assert proc.returncode == 0, proc.stderr[-2000:] + out[-3000:]
     return workdir, out
 

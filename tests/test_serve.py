@@ -1,6 +1,7 @@
 """`python -m jaxrag.serve` as a real server process on 127.0.0.1, driven by real clients (httpx,
-the `openai` client): answers and traces equal `SRRAG.ask([q])` alone under concurrent load; bad
-input, a full queue, a client leaving mid-stream, SIGTERM, and exports refused at start.
+the `openai` client): answers and traces equal `SRRAG.ask([q])` alone under concurrent load, which shares decode
+steps; bad input, a full queue (the HTTP app in this process), a client leaving mid-stream,
+nothing compiled while serving, SIGTERM, and exports refused at start.
 
 One server (4 slots) serves the whole module; its export is `benchmarks.serve.tiny_export`
 (random weights, a MiniLM passage index, a datastore whose kNN sends about half the questions
@@ -96,6 +97,12 @@ def metric(url: str, name: str) -> float:
     return float(m.group(1))
 
 
+def shared_steps(url: str) -> np.ndarray:
+    """(calls of decode steps, calls that advanced more than one request, requests advanced) so far."""
+    calls = metric(url, "srrag_step_rows_count")
+    return np.array([calls, calls - metric(url, 'srrag_step_rows_bucket{le="1.0"}'), metric(url, "srrag_step_rows_sum")])
+
+
 def assert_same_route(trace: dict, answer: str, alone, sources) -> None:
     assert (trace["source"], trace["knowledge"]["text"], answer) == (alone.source, alone.knowledge, alone.answer)
     assert trace["knowledge"]["truncated"] == alone.knowledge_truncated
@@ -105,8 +112,10 @@ def assert_same_route(trace: dict, answer: str, alone, sources) -> None:
 
 def test_concurrent_answers_equal_each_question_alone(url, reference):
     """64 clients at random arrival times, in random order, 4 slots: every answer and trace is
-    `SRRAG.ask([q])`'s for that question alone, and each question is answered exactly once."""
+    `SRRAG.ask([q])`'s for that question alone, each question is answered exactly once, and the
+    requests shared the pool's decode steps (an engine serving one at a time advances one row per call)."""
     system, alone = reference
+    before = shared_steps(url)
     rng = random.Random(5)
     order = rng.sample(QUESTIONS, len(QUESTIONS))
     delays = np.cumsum([rng.expovariate(40.0) for _ in order])  # Poisson arrivals, 40/s
@@ -139,6 +148,9 @@ def test_concurrent_answers_equal_each_question_alone(url, reference):
     routes = [body["choices"][0]["srrag"]["source"] for _, body in answered]
     assert routes.count("wiki") >= 16 and routes.count("self") >= 16, routes
     assert metric(url, "srrag_busy_slots") == 0 and metric(url, "srrag_queue_depth") == 0
+    calls, shared, rows = shared_steps(url) - before
+    print(f"decode calls {calls:.0f}, shared by several requests {shared:.0f}, requests per call {rows / calls:.2f}")
+    assert shared >= calls / 2 and rows / calls >= 2, (calls, shared, rows)
 
 
 def test_batch_route_and_openai_client(url, reference):
@@ -193,23 +205,43 @@ def test_bad_request_gets_one_clear_4xx_and_the_server_keeps_serving(url, body, 
     assert ok.status_code == 200
 
 
-def test_full_queue_gets_429_with_retry_after(url):
-    async def scenario():
-        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-            many = tiny_questions(QUEUE, seed=12)
-            filling = asyncio.create_task(client.post("/v1/srrag", json={"questions": many, "max_tokens": 8}))
-            deadline = time.monotonic() + 60
-            while metric(url, "srrag_queue_depth") < 1:  # the filling request is in the queue
-                assert time.monotonic() < deadline, "the queue never filled"
-                await asyncio.sleep(0.01)
-            # a whole queue's worth fits only an empty queue: refused while any of `many` waits
-            refused = await client.post("/v1/srrag", json={"questions": tiny_questions(QUEUE, seed=13)})
-            return refused, await filling
+def test_a_full_queue_takes_its_last_request_and_refuses_one_more_with_429(reference):
+    """The HTTP app over an engine whose loop is not started, so nothing leaves the queue: a batch
+    of QUEUE - 1 questions and one chat request fill it to exactly its limit; one more request gets
+    429 with Retry-After, and the queue keeps what it held (a request is queued whole or not at all)."""
+    from jaxrag.serve.engine import Engine
+    from jaxrag.serve.http import create_app
 
-    refused, filled = asyncio.run(scenario())
-    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
-    assert "queue" in refused.json()["error"]["message"]
-    assert filled.status_code == 200 and len(filled.json()["answers"]) == QUEUE
+    system, _ = reference
+    engine = Engine(system, slots=SLOTS, max_queue=QUEUE, max_question_tokens=QUESTION_TOKENS)
+    chat = {"messages": [{"role": "user", "content": QUESTIONS[0]}]}
+
+    async def filled(client, depth):
+        deadline = time.monotonic() + 30
+        while engine.queued() < depth:
+            assert time.monotonic() < deadline, f"the queue holds {engine.queued()} of {depth}"
+            await asyncio.sleep(0.01)
+
+    async def scenario():
+        # httpx's ASGI transport runs no lifespan: the engine thread never starts
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, "srrag")),
+                                     base_url="http://srrag") as client:
+            waiting = [asyncio.create_task(client.post("/v1/srrag", json={"questions": tiny_questions(QUEUE - 1, seed=12)}))]
+            await filled(client, QUEUE - 1)
+            waiting.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat)))
+            await filled(client, QUEUE)
+            try:
+                return await asyncio.wait_for(client.post("/v1/chat/completions", json=chat), 30), engine.queued()
+            finally:
+                for task in waiting:
+                    task.cancel()
+                await asyncio.gather(*waiting, return_exceptions=True)
+
+    refused, depth = asyncio.run(scenario())
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1, refused.text
+    assert f"the queue holds {QUEUE} of {QUEUE} requests" in refused.json()["error"]["message"]
+    assert depth == QUEUE
+    assert engine.queued() == 0  # the waiting clients left: their requests were cancelled
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(url):
@@ -227,9 +259,29 @@ def test_a_client_leaving_mid_stream_frees_its_slot(url):
     assert metric(url, "srrag_busy_slots") == 0
 
 
-def test_nothing_compiles_while_serving(url):
-    """Every request above (routes of both sources, streams, sampling, forced sources, k) ran on
-    programs compiled before the port opened."""
+def test_nothing_compiles_while_serving(url, reference):
+    """Its own traffic, at once, every kind a request can be: both sources (forced and routed), a
+    stream, sampling, k, max_tokens, a batch and single questions (so prefills of 1 to 4 rows), and
+    prompts from one word to the longest served; every program it ran was compiled before the
+    port opened."""
+    from jaxrag.prompts import prompt_ids
+
+    longest = " ".join(["Which river flows"] * 40)
+    while len(prompt_ids(reference[0].model.tokenizer, [longest])[0]) > QUESTION_TOKENS:
+        longest = longest.rsplit(" ", 1)[0]  # the longest question the server takes
+    questions = ["Where?", QUESTIONS[2], QUESTIONS[3], longest]
+    bodies = [("/v1/srrag", {"questions": questions}),
+              ("/v1/srrag", {"questions": questions[:3], "source": "self", "max_tokens": 3}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": questions[1]}], "stream": True}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": questions[3]}], "source": "wiki",
+                                        "k": 2, "temperature": 0.8, "top_p": 0.5}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": questions[0]}], "temperature": 1.5})]
+
+    async def traffic():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            return await asyncio.gather(*(client.post(route, json=body) for route, body in bodies))
+
+    assert [r.status_code for r in asyncio.run(traffic())] == [200] * len(bodies)
     assert metric(url, 'srrag_compiles_total{when="startup"}') > 0
     assert metric(url, 'srrag_compiles_total{when="serving"}') == 0
 

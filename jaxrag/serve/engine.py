@@ -336,7 +336,7 @@ class Engine:
         top_p = np.array([j.options.top_p if j else 1.0 for j in rows], np.float32)
         start = time.perf_counter()
         tokens = self._run_steps(live, stops, budget, temperature, top_p)
-        self.metrics.stepped(time.perf_counter() - start, int((tokens != NO_TOKEN).sum()))
+        self.metrics.stepped(time.perf_counter() - start, int(live.sum()), int((tokens != NO_TOKEN).sum()))
         for slot in np.flatnonzero(live):
             job = self.rows[slot]
             new = [int(t) for t in tokens[slot] if t != NO_TOKEN]

@@ -25,6 +25,9 @@ class Metrics:
               registry=r).set_function(self.tokens_per_second)
         self.tokens = Counter("srrag_tokens", "tokens generated (verbalizations and answers)", registry=r)
         self.steps = Histogram("srrag_step_seconds", "one call of decode steps over the pool (until a row ends its phase)", buckets=BUCKETS, registry=r)
+        # how many requests shared each call of decode steps: 1 everywhere is an engine that serves one at a time
+        self.step_rows = Histogram("srrag_step_rows", "requests advanced together by one call of decode steps",
+                                   buckets=engine.row_buckets, registry=r)
         self.phase = Histogram("srrag_phase_seconds", "a request's phase latency (queue, T_d, T_r, T_v, T_g)",
                                ["phase"], buckets=BUCKETS, registry=r)
         self.requests = Counter("srrag_requests", "requests by outcome", ["outcome"], registry=r)
@@ -48,12 +51,13 @@ class Metrics:
         self.when = "serving"
         self.compiles.labels("serving")
 
-    def stepped(self, seconds: float, rows: int) -> None:
+    def stepped(self, seconds: float, rows: int, tokens: int) -> None:
         self.steps.observe(seconds)
-        self.tokens.inc(rows)
+        self.step_rows.observe(rows)
+        self.tokens.inc(tokens)
         now = time.monotonic()
         with self.lock:
-            self.recent.append((now, rows))
+            self.recent.append((now, tokens))
             while self.recent and self.recent[0][0] < now - TOKENS_WINDOW_S:
                 self.recent.popleft()
 
