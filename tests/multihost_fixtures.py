@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pipeline_fixtures import REPO, mini_overrides
+from pipeline_fixtures import MINI_XLA_FLAGS, REPO, mini_overrides
 
 AUDIT = REPO / "tests" / "write_audit"
 
@@ -52,11 +52,12 @@ def audited_env(workdir: Path, audit: Path, **extra) -> dict[str, str]:
 
 
 def launch(workdir: Path, audit: Path, processes: int = 2, devices: int = 2, extra=()) -> subprocess.Popen:
-    """`launch/local.sh` as a user runs it; process I logs to workdir/logs/process-I.log."""
+    """`launch/local.sh` as a user runs it (with the miniature pipeline's XLA flags, to which it adds
+    its device count); process I logs to workdir/logs/process-I.log."""
     cmd = [str(REPO / "launch" / "local.sh"), "--processes", str(processes), "--devices-per-process", str(devices),
            "--port", str(free_ports()), "--python", sys.executable, *train_args(workdir), *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=audited_env(workdir, audit), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=audited_env(workdir, audit, XLA_FLAGS=MINI_XLA_FLAGS),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def log(workdir: Path, process: int) -> str:

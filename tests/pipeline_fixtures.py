@@ -50,6 +50,10 @@ def mini_config():
 
 # The devices of a single-process run of the miniature pipeline (the mesh of tests/test_multihost.py).
 DEVICES = 4
+# How every run of the miniature pipeline compiles, on 1 process or several: its programs are tiny
+# and run for seconds, so compiling them is most of a cold run, and LLVM's optimizations are a
+# sixth of that. Runs compared with each other (1 x 4 devices, 2 x 2, the reruns) share these flags.
+MINI_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def single_process_env(**extra) -> dict[str, str]:
@@ -57,7 +61,7 @@ def single_process_env(**extra) -> dict[str, str]:
     raised as `jaxrag.train` raises them: four device threads on two busy cores)."""
     from jaxrag.pipeline.cli import PATIENT_CPU_COLLECTIVES
 
-    flags = " ".join([f"--xla_force_host_platform_device_count={DEVICES}", *PATIENT_CPU_COLLECTIVES])
+    flags = " ".join([f"--xla_force_host_platform_device_count={DEVICES}", *PATIENT_CPU_COLLECTIVES, MINI_XLA_FLAGS])
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **extra)
 
 

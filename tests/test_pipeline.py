@@ -229,12 +229,15 @@ def test_tau_is_chosen_on_validation_before_the_first_eval(workdir, tmp_path):
 def test_an_interrupted_eval_resumes_after_the_last_model_it_finished(workdir, tmp_path, monkeypatch):
     """Killed while loading the third fine-tuned model, the eval has kept the state after the
     second (W/eval_parts/srrag.pkl); the rerun decodes only the models after it, and its results
-    equal the uninterrupted run's."""
+    equal an uninterrupted eval's on another copy, in this process (the same programs and XLA flags;
+    the quickstart's run compiles with the miniature pipeline's flags, this process with the suite's)."""
     from jaxrag.eval import harness
     from jaxrag.pipeline import eval as eval_stage
 
-    w = tmp_path / "w"
-    shutil.copytree(workdir, w, ignore=shutil.ignore_patterns("results.json", "report.md", "plots", "export"))
+    w, whole = tmp_path / "w", tmp_path / "whole"
+    for copy in (w, whole):
+        shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("results.json", "report.md", "plots", "export"))
+    eval_stage.eval_stage(mini_config(), whole)
     load = eval_stage.load
 
     def killed_at_no_dpo(cfg, path, **kw):
@@ -254,7 +257,7 @@ def test_an_interrupted_eval_resumes_after_the_last_model_it_finished(workdir, t
     eval_stage.eval_stage(mini_config(), w)
     assert decoded == ["no_dpo paths", "no_kv_label paths"] and not untuned
     assert not (w / "eval_parts").exists()
-    got, want = (json.loads((d / "results.json").read_text()) for d in (w, workdir))
+    got, want = (json.loads((d / "results.json").read_text()) for d in (w, whole))
     for m, e in want["average"].items():
         assert (got["average"][m]["acc"], got["average"][m]["rag_frac"]) == (e["acc"], e["rag_frac"]), m
     assert got["comparisons"].keys() == want["comparisons"].keys()

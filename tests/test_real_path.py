@@ -63,13 +63,22 @@ def stage_seconds(text: str) -> dict[str, str]:
 def run(data, tmp_path_factory, request):
     """The whole command once, as 2 processes x 1 device: the data axis spans the processes, so
     every training step's gradients are summed across them and generation and scoring are split
-    between them. Returns the workdir and process 0's output (it prints the stages and the report).
+    between them. Beside its eval, which process 0 runs while process 1 waits, one process alone
+    is killed during construct and reruns it (`kill_and_rerun_construct`). Returns the workdir,
+    process 0's output (it prints the stages and the report) and the killed process's outcome.
     Each process's stage times go to the terminal, so that CI's log shows where the step's time went."""
     workdir = tmp_path_factory.mktemp("real_path") / "run"
     launcher = [str(REPO / "launch" / "local.sh"), "--processes", "2", "--devices-per-process", "1",
                 "--port", str(free_ports()), "--python", sys.executable]
     start = time.monotonic()
-    proc = subprocess.run([*launcher, *command(data, workdir)[3:]], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.Popen([*launcher, *command(data, workdir)[3:]], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    eval_started = workdir / "inputs" / "eval.json"  # written as the stage starts
+    while not eval_started.exists() and proc.poll() is None:
+        time.sleep(1)
+    killed = kill_and_rerun_construct(workdir, data, tmp_path_factory.mktemp("killed") / "run") \
+        if eval_started.exists() else None
+    _, err = proc.communicate()
     out = log(workdir, 0)
     terminal = request.config.pluginmanager.getplugin("terminalreporter")
     for process in (0, 1):
@@ -77,12 +86,39 @@ def run(data, tmp_path_factory, request):
         terminal.write_line(f"real path, process {process} of 2, stage seconds: "
                             + ", ".join(f"{stage} {s}" for stage, s in times.items()))
     terminal.write_line(f"real path: the 2-process run took {time.monotonic() - start:.0f}s")
-    assert proc.returncode == 0, proc.stderr[-2000:] + out[-3000:]
-    return workdir, out
+    assert proc.returncode == 0, err[-2000:] + out[-3000:]
+    return workdir, out, killed
+
+
+def kill_and_rerun_construct(workdir: Path, data: Path, other: Path) -> dict:
+    """One process alone, in a second workdir sharing the finished base and index of `workdir`
+    (same inputs: skipped) and its fit verdict, killed -9 once construct has written its first
+    shard, then rerun to the end of construct: {"mid_stage": the kill came before construct
+    finished, "rerun": the rerun's CompletedProcess}."""
+    other.mkdir()
+    shutil.copy(workdir / "fit.json", other)
+    (other / "inputs").mkdir()
+    for stage in ("base", "index"):
+        shutil.copytree(workdir / stage, other / stage)
+        shutil.copy(workdir / "inputs" / f"{stage}.json", other / "inputs")
+    cmd = command(data, other, "--config.pipeline.stop_after=construct")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = other / "construct" / "shard-00000.jsonl"
+    try:
+        deadline = time.monotonic() + 900
+        while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.exists(), "construct wrote no shard"
+    finally:
+        proc.kill()
+        proc.wait()
+    mid_stage = not (other / "construct" / "stats.json").exists()
+    return {"mid_stage": mid_stage, "workdir": other,
+            "rerun": subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)}
 
 
 def test_every_stage_runs_on_real_weights_and_data(run):
-    workdir, out = run
+    workdir, out, _ = run
     for stage in ("base", "index", "construct", "stage1", "stage2", "datastore", "baselines", "eval", "export"):
         assert f"] {stage}: finished in" in out, stage
     stats = json.loads((workdir / "construct" / "stats.json").read_text())
@@ -92,7 +128,7 @@ def test_every_stage_runs_on_real_weights_and_data(run):
 
 
 def test_results_in_the_embedded_runs_schema(run):
-    workdir, out = run
+    workdir, out, _ = run
     results = json.loads((workdir / "results.json").read_text())
     assert set(results["average"]) == METHODS and set(results["datasets"]) == set(EVAL)
     for name, per in results["datasets"].items():
@@ -116,7 +152,7 @@ def test_results_in_the_embedded_runs_schema(run):
 
 
 def test_export_loads_in_transformers_with_our_logits(run):
-    workdir, _ = run
+    workdir, _, _ = run
     ours = jaxrag.load_model(workdir / "stage2" / "model")
     hf = transformers.AutoModelForCausalLM.from_pretrained(workdir / "export", dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(workdir / "export")
@@ -132,36 +168,18 @@ def digests(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_kill_9_during_construct_then_rerun_gives_the_two_processes_records(run, data, tmp_path):
-    """One process alone, in a second workdir sharing the finished base and index (same inputs:
-    skipped) and the fit verdict, is killed once construct has written its first shard, and reruns
-    to the 2 processes' bytes: there, process p built shards p, p + 2, ... whole on its own device,
-    with the programs a single device runs (equal bytes measured at 109ee66 and e2b7376, docs/scale.md)."""
-    workdir, _ = run
-    other = tmp_path / "run"
-    other.mkdir()
-    shutil.copy(workdir / "fit.json", other)
-    for stage in ("base", "index"):
-        shutil.copytree(workdir / stage, other / stage)
-    (other / "inputs").mkdir()
-    for stage in ("base", "index"):
-        shutil.copy(workdir / "inputs" / f"{stage}.json", other / "inputs")
-    cmd = command(data, other, "--config.pipeline.stop_after=construct")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = other / "construct" / "shard-00000.jsonl"
-    try:
-        deadline = time.monotonic() + 900
-        while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert first.exists(), "construct wrote no shard"
-    finally:
-        proc.kill()
-        proc.wait()
-    assert not (other / "construct" / "stats.json").exists()  # killed mid-stage
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+def test_kill_9_during_construct_then_rerun_gives_the_two_processes_records(run):
+    """One process alone (`kill_and_rerun_construct`, beside the run's eval), killed -9 in the
+    middle of construct, reruns to the 2 processes' bytes: there, process p built shards p, p + 2,
+    ... whole on its own device, with the programs a single device runs (equal bytes measured at
+    109ee66 and e2b7376, results/multihost/README.md)."""
+    workdir, _, killed = run
+    assert killed is not None, "the run ended before its eval"
+    assert killed["mid_stage"]  # killed before construct finished
+    done = killed["rerun"]
     assert done.returncode == 0, done.stderr[-3000:]
     assert "base: done" in done.stdout and "index: done" in done.stdout
-    assert digests(other / "construct") == digests(workdir / "construct")
+    assert digests(killed["workdir"] / "construct") == digests(workdir / "construct")
 
 
 def listing(folder: Path) -> dict[str, tuple[int, int]]:
@@ -171,7 +189,7 @@ def listing(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_a_changed_config_is_refused(run, data):
-    workdir, _ = run
+    workdir, _, _ = run
     before = listing(workdir)
     proc = subprocess.run(command(data, workdir, "--config.stage1.lr=0.001"), cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
