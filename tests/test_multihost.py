@@ -125,8 +125,8 @@ def test_each_stage_records_the_single_process_provenance(runs):
 def test_a_lost_process_stops_the_other_within_60_seconds(runs):
     """Process 1 killed -9 in construct and in stage 1: process 0, the survivor, stops within 60 s
     by its own watchdog's SIGKILL (its own exit status, as the launcher reports each process's:
-    137, where the launcher's own is the worst of the two and the kill alone makes it 137), its
-    log ends with the one line naming the lost process and the stage, and has no traceback."""
+    137, where the launcher's own is the worst of the two and the kill alone makes it 137), and its
+    log of that launch has one error line, naming the lost process and the stage, and no traceback."""
     _, two, kills, _ = runs
     for stage, kill in kills.items():
         assert kill["seconds"] < 60, (stage, kill["seconds"])

@@ -76,8 +76,12 @@ def run(data, tmp_path_factory, request):
     eval_started = workdir / "inputs" / "eval.json"  # written as the stage starts
     while not eval_started.exists() and proc.poll() is None:
         time.sleep(1)
-    killed = kill_and_rerun_construct(workdir, data, tmp_path_factory.mktemp("killed") / "run") \
-        if eval_started.exists() else None
+    killed = {"error": "the run ended before its eval"}
+    if eval_started.exists():
+        try:
+            killed = kill_and_rerun_construct(workdir, data, tmp_path_factory.mktemp("killed") / "run")
+        except AssertionError as e:  # the kill test's own failure: the run goes on for the others
+            killed = {"error": str(e)}
     _, err = proc.communicate()
     out = log(workdir, 0)
     terminal = request.config.pluginmanager.getplugin("terminalreporter")
@@ -174,7 +178,7 @@ def test_kill_9_during_construct_then_rerun_gives_the_two_processes_records(run)
     ... whole on its own device, with the programs a single device runs (equal bytes measured at
     109ee66 and e2b7376, results/multihost/README.md)."""
     workdir, _, killed = run
-    assert killed is not None, "the run ended before its eval"
+    assert "error" not in killed, killed.get("error")
     assert killed["mid_stage"]  # killed before construct finished
     done = killed["rerun"]
     assert done.returncode == 0, done.stderr[-3000:]

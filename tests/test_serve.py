@@ -1,7 +1,8 @@
 """`python -m jaxrag.serve` as a real server process on 127.0.0.1, driven by real clients (httpx,
-the `openai` client): answers and traces equal `SRRAG.ask([q])` alone under concurrent load, which shares decode
-steps; bad input, a full queue (the HTTP app in this process), a client leaving mid-stream,
-nothing compiled while serving, SIGTERM, and exports refused at start.
+the `openai` client): answers and traces equal `SRRAG.ask([q])` alone under concurrent load, which
+shares decode steps; a queue's worth of questions in one call; bad input, a full queue (the HTTP
+app in this process), a client leaving mid-stream, nothing compiled while serving, SIGTERM, and
+exports refused at start.
 
 One server (4 slots) serves the whole module; its export is `benchmarks.serve.tiny_export`
 (random weights, a MiniLM passage index, a datastore whose kNN sends about half the questions
@@ -100,7 +101,8 @@ def metric(url: str, name: str) -> float:
 def shared_steps(url: str) -> np.ndarray:
     """(calls of decode steps, calls that advanced more than one request, requests advanced) so far."""
     calls = metric(url, "srrag_step_rows_count")
-    return np.array([calls, calls - metric(url, 'srrag_step_rows_bucket{le="1.0"}'), metric(url, "srrag_step_rows_sum")])
+    alone = metric(url, 'srrag_step_rows_bucket{le="1.0"}')
+    return np.array([calls, calls - alone, metric(url, "srrag_step_rows_sum")])
 
 
 def assert_same_route(trace: dict, answer: str, alone, sources) -> None:
@@ -154,8 +156,8 @@ def test_concurrent_answers_equal_each_question_alone(url, reference):
 
 
 def test_batch_route_and_openai_client(url, reference):
-    """/v1/srrag answers a list with the same traces; the openai client reads the extra field,
-    streams the same answer, and forces a source."""
+    """/v1/srrag answers a list with the same traces, and a queue's worth of questions in one call;
+    the openai client reads the extra field, streams the same answer, and forces a source."""
     system, alone = reference
     batch = QUESTIONS[:6]
     r = httpx.post(f"{url}/v1/srrag", json={"questions": batch}, timeout=120)
@@ -163,6 +165,10 @@ def test_batch_route_and_openai_client(url, reference):
     assert [a["question"] for a in r.json()["answers"]] == batch
     for a in r.json()["answers"]:
         assert_same_route(a["srrag"], a["answer"], alone[a["question"]], system.model.sources)
+
+    full = httpx.post(f"{url}/v1/srrag", json={"questions": tiny_questions(QUEUE, seed=12), "max_tokens": 8},
+                      timeout=300)
+    assert full.status_code == 200 and len(full.json()["answers"]) == QUEUE  # a whole queue's worth in one call
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
     q = QUESTIONS[0]
@@ -226,7 +232,8 @@ def test_a_full_queue_takes_its_last_request_and_refuses_one_more_with_429(refer
         # httpx's ASGI transport runs no lifespan: the engine thread never starts
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, "srrag")),
                                      base_url="http://srrag") as client:
-            waiting = [asyncio.create_task(client.post("/v1/srrag", json={"questions": tiny_questions(QUEUE - 1, seed=12)}))]
+            batch = {"questions": tiny_questions(QUEUE - 1, seed=12)}
+            waiting = [asyncio.create_task(client.post("/v1/srrag", json=batch))]
             await filled(client, QUEUE - 1)
             waiting.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat)))
             await filled(client, QUEUE)
