@@ -50,10 +50,11 @@ def quickstart(tmp_path_factory):
 
 
 # The longest modules start first: with `--dist loadfile` a module runs whole on one worker, in
-# collection order, so one that starts last leaves the other worker idle while it runs. The two
-# share the quickstart's run: test_pipeline.py builds it first thing while test_multihost.py runs
-# its 2-process launches, which compare with it only at their end.
-LONGEST_FIRST = ("test_multihost.py", "test_pipeline.py")
+# collection order, so one that starts last leaves the other worker idle while it runs. The
+# suite's two share the quickstart's run: test_pipeline.py builds it first thing while
+# test_multihost.py runs its 2-process launches, which compare with it only at their end. In CI's
+# step (`-m ci_step`), the real path's 2-process run starts first, the real-model modules beside it.
+LONGEST_FIRST = ("test_real_path.py", "test_multihost.py", "test_pipeline.py")
 
 
 def pytest_collection_modifyitems(items):

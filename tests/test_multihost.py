@@ -200,7 +200,9 @@ from jaxrag.sharding import initialize_distributed
 initialize_distributed()
 import jax, numpy as np
 from jax.experimental import multihost_utils
+from jaxrag.plan.fit import device_memory_gb
 from jaxrag.runtime import multihost
+print("device memory", device_memory_gb())  # the fit check's reading, on every process
 if jax.process_index() == 1:
     time.sleep(float(sys.argv[1]))  # the fit check compiling, or a stage process 0 runs alone
 multihost.barrier("late")
@@ -208,10 +210,10 @@ print(multihost_utils.process_allgather(np.array([jax.process_index()])).tolist(
 """
 
 
-def test_a_process_reaching_the_first_barrier_late_is_waited_for():
-    """Process 1 meets the run's first barrier 40 s after process 0: the barrier waits (a device
-    collective there gave its peer 30 s to join: gloo's rendezvous), and the collective after it
-    spans both processes."""
+@pytest.fixture(scope="module")
+def late():
+    """BARRIER_PROGRAM as 2 processes x 1 CPU device, process 1 meeting the first barrier 40 s
+    after process 0: [(exit status, stdout, stderr)] per process."""
     port = free_ports()
     env = lambda i: {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
                      "JAX_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu",
@@ -219,10 +221,24 @@ def test_a_process_reaching_the_first_barrier_late_is_waited_for():
     procs = [subprocess.Popen([sys.executable, "-c", BARRIER_PROGRAM, "40"], cwd=REPO, env=env(i), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     try:
-        outcomes = [(p.wait(timeout=150), p.stdout.read(), p.stderr.read()) for p in procs]
+        return [(p.wait(timeout=150), p.stdout.read(), p.stderr.read()) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for code, out, err in outcomes:
+
+
+def test_a_process_reaching_the_first_barrier_late_is_waited_for(late):
+    """Process 1 meets the run's first barrier 40 s after process 0: the barrier waits (a device
+    collective there gave its peer 30 s to join: gloo's rendezvous), and the collective after it
+    spans both processes."""
+    for code, out, err in late:
         assert code == 0, err[-2000:]
         assert out.strip().splitlines()[-1] == "[[0], [1]]", out  # after gloo's own lines
+
+
+def test_every_process_reads_its_own_devices_memory_for_the_fit_check(late):
+    """The fit check's device memory (`plan/fit.py: device_memory_gb`) on process 1 as on process
+    0: a device of its own (process 0's first device raises INVALID_ARGUMENT there: JAX reads
+    memory statistics of addressable devices only); CPU devices report none, 0.0."""
+    for code, out, err in late:
+        assert code == 0 and "device memory 0.0" in out.splitlines(), err[-2000:]

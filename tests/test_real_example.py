@@ -10,6 +10,10 @@ import pytest
 
 from real_fixtures import REPO_ROOT, smollm_gguf, wiki_paragraphs
 
+# CI's step after the suite (pyproject's ci_step marker), on the other xdist worker beside
+# tests/test_real_path.py, whose 2-process run leaves a core idle during its eval.
+pytestmark = pytest.mark.ci_step
+
 
 def test_laptop_example_routes_real_questions(tmp_path, capsys):
     """examples/real_model.py (docs/export-and-serve.md) end to end on a smaller index:

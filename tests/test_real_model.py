@@ -30,6 +30,10 @@ from jaxrag.prompts import prompt_ids
 from jaxrag.train import stages
 from real_fixtures import questions, smollm_gguf, wiki_paragraphs
 
+# CI's step after the suite (pyproject's ci_step marker), on the other xdist worker beside
+# tests/test_real_path.py, whose 2-process run leaves a core idle during its eval.
+pytestmark = pytest.mark.ci_step
+
 
 VOCAB = 49_152
 LAYERS = (1, 15, 30)  # first, the datastore layer we use for a 30-layer model, last (after the final norm)

@@ -126,6 +126,15 @@ def fit_key(cfg) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def device_memory_gb() -> float:
+    """The allocator limit of this process's first device, GB (0.0 where the backend reports none).
+    A device of this process: JAX reads the memory statistics of addressable devices only, so on
+    any process but 0 `jax.devices()[0]` raises."""
+    import jax  # not on import: see `measure`
+
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0) / 1e9
+
+
 def check_fit(cfg) -> None:
     """The pipeline's preflight: compiles the programs on the devices it will run on and raises
     one line per program that would run out of memory. Accelerators: against their allocator
@@ -140,7 +149,7 @@ def check_fit(cfg) -> None:
                 cfg.model[field] = "float32"
         usable, where = host_memory_gb(), "host memory"
     else:
-        usable, where = (devices[0].memory_stats() or {}).get("bytes_limit", 0) / 1e9, "device memory"
+        usable, where = device_memory_gb(), "device memory"
         if not usable:
             return
     rows = measure(cfg, devices, accelerator_of(devices[0]), usable, DEFAULT_HEADROOM, DEFAULT_MFU, log=lambda *_: None)

@@ -53,10 +53,11 @@ class Child:
 
     def stop_parent(self, message: str) -> None:
         """One line on the parent's stderr (shared with this child), then the parent is killed:
-        it may be blocked in a collective that will never return."""
+        it may be blocked in a collective that will never return. The line starts on a line of its
+        own: the parent may have left a progress bar half-drawn."""
         if self.finished:
             return
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"\nerror: {message}", file=sys.stderr, flush=True)
         try:
             os.kill(self.parent, signal.SIGKILL)
         except ProcessLookupError:
