@@ -71,3 +71,14 @@ def _release_host_memory():
     from jaxrag.runtime import host_memory
 
     host_memory.release()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Lines a test or fixture recorded for CI's log (`user_properties` named "ci_log", which xdist
+    carries from its workers): the real path's stage seconds per process, so that the next slowdown
+    shows in CI's own output."""
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "ci_log" and getattr(report, "when", "") in ("setup", "call"):
+                    terminalreporter.write_line(value)

@@ -60,13 +60,13 @@ def stage_seconds(text: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def run(data, tmp_path_factory, request):
+def run(data, tmp_path_factory):
     """The whole command once, as 2 processes x 1 device: the data axis spans the processes, so
     every training step's gradients are summed across them and generation and scoring are split
     between them. Beside its eval, which process 0 runs while process 1 waits, one process alone
     is killed during construct and reruns it (`kill_and_rerun_construct`). Returns the workdir,
-    process 0's output (it prints the stages and the report) and the killed process's outcome.
-    Each process's stage times go to the terminal, so that CI's log shows where the step's time went."""
+    process 0's output (it prints the stages and the report), the killed process's outcome, and
+    each process's stage seconds (which the first test puts in CI's log)."""
     workdir = tmp_path_factory.mktemp("real_path") / "run"
     launcher = [str(REPO / "launch" / "local.sh"), "--processes", "2", "--devices-per-process", "1",
                 "--port", str(free_ports()), "--python", sys.executable]
@@ -84,14 +84,13 @@ def run(data, tmp_path_factory, request):
             killed = {"error": str(e)}
     _, err = proc.communicate()
     out = log(workdir, 0)
-    terminal = request.config.pluginmanager.getplugin("terminalreporter")
+    timings = [f"real path: the 2-process run took {time.monotonic() - start:.0f}s"]
     for process in (0, 1):
         times = stage_seconds(log(workdir, process))
-        terminal.write_line(f"real path, process {process} of 2, stage seconds: "
-                            + ", ".join(f"{stage} {s}" for stage, s in times.items()))
-    terminal.write_line(f"real path: the 2-process run took {time.monotonic() - start:.0f}s")
-    assert proc.returncode == 0, err[-2000:] + out[-3000:]
-    return workdir, out, killed
+        timings.append(f"real path, process {process} of 2, stage seconds: "
+                       + ", ".join(f"{stage} {s}" for stage, s in times.items()))
+    assert proc.returncode == 0, err[-2000:] + out[-3000:] + "\n".join(timings)
+    return workdir, out, killed, timings
 
 
 def kill_and_rerun_construct(workdir: Path, data: Path, other: Path) -> dict:
@@ -121,8 +120,10 @@ def kill_and_rerun_construct(workdir: Path, data: Path, other: Path) -> dict:
             "rerun": subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)}
 
 
-def test_every_stage_runs_on_real_weights_and_data(run):
-    workdir, out, _ = run
+def test_every_stage_runs_on_real_weights_and_data(run, record_property):
+    workdir, out, _, timings = run
+    for line in timings:  # printed at the end of the run's output (conftest.py: ci_log)
+        record_property("ci_log", line)
     for stage in ("base", "index", "construct", "stage1", "stage2", "datastore", "baselines", "eval", "export"):
         assert f"] {stage}: finished in" in out, stage
     stats = json.loads((workdir / "construct" / "stats.json").read_text())
@@ -132,7 +133,7 @@ def test_every_stage_runs_on_real_weights_and_data(run):
 
 
 def test_results_in_the_embedded_runs_schema(run):
-    workdir, out, _ = run
+    workdir, out, _, _ = run
     results = json.loads((workdir / "results.json").read_text())
     assert set(results["average"]) == METHODS and set(results["datasets"]) == set(EVAL)
     for name, per in results["datasets"].items():
@@ -156,7 +157,7 @@ def test_results_in_the_embedded_runs_schema(run):
 
 
 def test_export_loads_in_transformers_with_our_logits(run):
-    workdir, _, _ = run
+    workdir, _, _, _ = run
     ours = jaxrag.load_model(workdir / "stage2" / "model")
     hf = transformers.AutoModelForCausalLM.from_pretrained(workdir / "export", dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(workdir / "export")
@@ -177,7 +178,7 @@ def test_kill_9_during_construct_then_rerun_gives_the_two_processes_records(run)
     middle of construct, reruns to the 2 processes' bytes: there, process p built shards p, p + 2,
     ... whole on its own device, with the programs a single device runs (equal bytes measured at
     109ee66 and e2b7376, results/multihost/README.md)."""
-    workdir, _, killed = run
+    workdir, _, killed, _ = run
     assert "error" not in killed, killed.get("error")
     assert killed["mid_stage"]  # killed before construct finished
     done = killed["rerun"]
@@ -193,7 +194,7 @@ def listing(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_a_changed_config_is_refused(run, data):
-    workdir, _, _ = run
+    workdir, _, _, _ = run
     before = listing(workdir)
     proc = subprocess.run(command(data, workdir, "--config.stage1.lr=0.001"), cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
