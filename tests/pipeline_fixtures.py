@@ -139,8 +139,11 @@ def file_digests(root: Path, parts=None) -> dict[str, tuple[str, int]]:
 
 
 def without_timings(obj):
+    """`obj` (a results.json) without its wall-clock times and code identity: two runs in one working
+    checkout may straddle a commit (what is recorded is tested in tests/test_provenance.py)."""
     if isinstance(obj, dict):
-        return {k: without_timings(v) for k, v in obj.items() if "latency" not in k and k != "phases"}
+        return {k: without_timings(v) for k, v in obj.items()
+                if "latency" not in k and k not in ("phases", "code", "code_started")}
     if isinstance(obj, list):
         return [without_timings(v) for v in obj]
     if isinstance(obj, float) and obj != obj:  # undefined (an AUROC over one class) equals itself
