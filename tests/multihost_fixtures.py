@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pipeline_fixtures import MINI_XLA_FLAGS, REPO, mini_overrides
+from pipeline_fixtures import CODE_IDENTITY, MINI_XLA_FLAGS, REPO, mini_overrides
 
 AUDIT = REPO / "tests" / "write_audit"
 
@@ -114,10 +114,8 @@ def audit_writes(audit: Path) -> dict[str, set[str]]:
     return writers
 
 
-# Not compared: wall-clock times, and the code identity (two runs in one working checkout may
-# straddle a commit; a resumed stage also records the code it started with; what is recorded is
-# tested in tests/test_provenance.py).
-UNCOMPARED = ("phases", "seconds", "code", "code_started")
+# Not compared: wall-clock times, and the code identity (pipeline_fixtures.CODE_IDENTITY).
+UNCOMPARED = ("phases", "seconds", *CODE_IDENTITY)
 
 
 def same_results(a, b, atol: float, path: str = "") -> None:

@@ -138,12 +138,17 @@ def file_digests(root: Path, parts=None) -> dict[str, tuple[str, int]]:
             for top in tops for f in sorted(top.rglob("*")) if f.is_file()}
 
 
+# The code identity a run records: two runs in one working checkout may straddle a commit, and a
+# resumed stage also records the code it started with (what is recorded is tested in
+# tests/test_provenance.py). Never compared between runs.
+CODE_IDENTITY = ("code", "code_started")
+
+
 def without_timings(obj):
-    """`obj` (a results.json) without its wall-clock times and code identity: two runs in one working
-    checkout may straddle a commit (what is recorded is tested in tests/test_provenance.py)."""
+    """`obj` (a results.json) without its wall-clock times and `CODE_IDENTITY`."""
     if isinstance(obj, dict):
         return {k: without_timings(v) for k, v in obj.items()
-                if "latency" not in k and k not in ("phases", "code", "code_started")}
+                if "latency" not in k and k != "phases" and k not in CODE_IDENTITY}
     if isinstance(obj, list):
         return [without_timings(v) for v in obj]
     if isinstance(obj, float) and obj != obj:  # undefined (an AUROC over one class) equals itself
