@@ -7,6 +7,13 @@ along heads / MLP / vocab (Megatron style); batches are split over `data` x `fsd
 A dimension that an axis does not divide (4 KV heads on 8 tensor devices, say) is replicated
 over that axis instead of failing, so any mesh shape runs any model.
 
+Generation (construct, the datastore, eval, the server) places an inference model on a mesh of
+each process's own devices (`generation_mesh`): the same rules, `fsdp` 1, the model split over
+`tensor` only as far as it must be to fit (`generation_tensor`), the rest of the devices on
+`data`, each data replica taking its share of the rows; the processes split the work between
+them (`jaxrag.runtime.shares`). The KV cache is split by rows over `data` and by KV heads over
+`tensor` (`cache_sharding`).
+
 Multi-host: `initialize_distributed()` joins the job when launched on several hosts; each host
 then builds only the batch rows its own devices hold (`host_rows` / `global_batch`).
 """
@@ -93,6 +100,41 @@ def make_mesh(spec: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     shape = mesh_shape(spec, len(devices))
     # Auto axes: the model code is unannotated, XLA propagates shardings from the inputs.
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+# Generation splits the model over `tensor` until its weights take at most this share of one
+# device's usable memory: the rest holds the KV cache and the activations of a batch.
+GENERATION_WEIGHT_SHARE = 0.5
+
+
+def generation_tensor(requested: int, n_devices: int, weight_bytes: float, device_bytes: float) -> int:
+    """The model-axis size for generation on `n_devices` devices of one process: `requested` when
+    set (> 0), else the smallest power of two dividing `n_devices` at which each device's slice
+    of the weights fits `GENERATION_WEIGHT_SHARE` of `device_bytes` (usable bytes per device;
+    0 = unknown, as on CPU, whose devices share the host's memory: 1, the model whole)."""
+    if requested > 0:
+        if n_devices % requested:
+            raise JaxragError(f"--config.generation.tensor={requested}: must divide this process's "
+                              f"{n_devices} devices")
+        return int(requested)
+    tensor = 1
+    while device_bytes > 0 and weight_bytes / tensor > GENERATION_WEIGHT_SHARE * device_bytes \
+            and n_devices % (2 * tensor) == 0:
+        tensor *= 2
+    return tensor
+
+
+def generation_mesh(tensor: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp=1, tensor) mesh over `devices` (default: this process's own devices) for
+    generation: the model split over `tensor`, every data replica its share of the rows."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    return make_mesh({"data": -1, "fsdp": 1, "tensor": int(tensor)}, devices)
+
+
+def cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """A KV-cache buffer [batch, kv_heads, slots, head_dim]: rows over the batch axes, heads over
+    `tensor` (replicated where `tensor` does not divide them)."""
+    return NamedSharding(mesh, _fit(P(BATCH_AXES, "tensor"), shape, mesh))
 
 
 def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:

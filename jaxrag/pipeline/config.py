@@ -109,6 +109,11 @@ def paper_config(family: str) -> ConfigDict:
     cfg.baselines = ConfigDict(dict(ik_answer_tokens=32, seakr_samples=20, max_train_questions=5000))
     # -1 = the remaining devices. A 7B model with AdamW (~112 GB) must be split: FSDP over all.
     cfg.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    # Generation (construct, the datastore, eval): every device of every process; each process
+    # places the model on its own devices (`jaxrag.sharding.generation_mesh`), split over the
+    # model axis `tensor` (0 = only as far as it must be to fit; a size divides the devices per
+    # process), the other devices each taking their share of a batch's rows.
+    cfg.generation = ConfigDict(dict(tensor=0))
     return cfg
 
 
@@ -238,6 +243,7 @@ def tiny_config(family: str) -> ConfigDict:
         max_train_questions=400,  # the selectors' training sample, stratified over the training sets
     ))
     cfg.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # every device on the data axis (-1: the rest)
+    cfg.generation = ConfigDict(dict(tensor=0))  # generation's model axis (0: only as far as it must; jaxrag.sharding)
     # The world's generator settings: WorldConfig's defaults (jaxrag/world/generate.py, one comment
     # per field there); `--config.world.seed=N` and `--config.seed=N` are one field.
     cfg.world = ConfigDict({k: v for k, v in dataclasses.asdict(WorldConfig()).items() if k != "seed"})

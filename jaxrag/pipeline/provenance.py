@@ -46,8 +46,9 @@ AUTO_REDO = ("eval", "export")  # cheap, and read no training field of their own
 
 # Fields that cannot change a result: progress, logging, checkpoint cadence, the run's own
 # control (whether a base below the reading gate stops the run included: the base is the same
-# either way), how a batch is split over devices, rematerialisation and the mesh shape.
-NEUTRAL = ("pipeline", "mesh", "model.remat", "*.per_device_batch_size", "*.checkpoint_every",
+# either way), how a batch is split over devices, rematerialisation, the mesh shape and how
+# generation is placed on the devices (the same results on any placement: tests/test_placement.py).
+NEUTRAL = ("pipeline", "mesh", "generation", "model.remat", "*.per_device_batch_size", "*.checkpoint_every",
            "*.keep_checkpoints", "*.log_every", "*.progress", "world_probe.allow_failed_reading_gate")
 
 
