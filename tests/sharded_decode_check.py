@@ -30,7 +30,7 @@ if __name__ == "__main__":
     for shape in ((8, 1, 1), (2, 2, 2), (1, 2, 4)):
         mesh = make_mesh(dict(zip(("data", "fsdp", "tensor"), shape)))
         for decoder in (model.decoder, for_inference(model).decoder):
-            got = generate(shard_decoder(decoder, mesh), PROMPTS, 10, mesh=mesh)
+            got = generate(shard_decoder(decoder, mesh), PROMPTS, 10)
             assert got == want, (shape, got, want)
     print("sharded generation ok")
 
@@ -43,7 +43,7 @@ if __name__ == "__main__":
     want = route(routed_model, questions, policy, retrieve, cfg)
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded = dataclasses.replace(routed_model, decoder=shard_decoder(routed_model.decoder, mesh))
-    got = route(sharded, questions, policy, retrieve, cfg, mesh=mesh)
+    got = route(sharded, questions, policy, retrieve, cfg)
     assert [(r.source, r.knowledge, r.answer) for r in got] == [(r.source, r.knowledge, r.answer) for r in want]
     assert {r.source for r in got} == {"wiki", "self"}
     print("sharded routing ok")

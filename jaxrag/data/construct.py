@@ -182,7 +182,7 @@ def _retrieved(retrieve: Retrieve, questions: list[str], n: int) -> tuple[list[l
 
 
 def construct_shard(model, items: Sequence[Item], shard: int, pools: dict[str, DemoPool], retrieve: Retrieve,
-                    params: ConstructParams, seed: int, mesh=None) -> list[dict]:
+                    params: ConstructParams, seed: int) -> list[dict]:
     """Algorithm 1 for one shard's questions -> their records."""
     n, tok = params.n_contexts, model.tokenizer
     questions = [it.question for it in items]
@@ -199,7 +199,7 @@ def construct_shard(model, items: Sequence[Item], shard: int, pools: dict[str, D
     sampling = SamplingParams(temperature=params.verbalize_temperature, top_p=params.verbalize_top_p)
     rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 2), shard)  # stream 2: round 2
     verbs = verbalize(model, prompts, params.verbalize_max_tokens, sampling=sampling, rng=rng,
-                      batch_size=params.generate_batch_size, mesh=mesh, redraw=redraw_sampling(params))
+                      batch_size=params.generate_batch_size, redraw=redraw_sampling(params))
     # Still empty after the redraws: not a context (never c_i+ / c_i-), counted in problems.
     kept = [[(v, m) for v, m in zip(verbs[i * n:(i + 1) * n], meta[i * n:(i + 1) * n]) if v.text]
             for i in range(len(items))]
@@ -296,16 +296,17 @@ def _check_manifest(out_dir: Path, manifest: dict, process_index: int, timeout_s
 
 def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrieve, encoder, section,
               out_dir: str | os.PathLike, *, rng_seed: int = 0, process_index: int | None = None,
-              process_count: int | None = None, mesh=None, progress: bool = True,
+              process_count: int | None = None, progress: bool = True,
               wait_timeout_s: float = 24 * 3600, max_length: int = 0) -> Path:
     """Algorithm 1 over the training mixture -> `out_dir` (shards + stats.json; see module doc).
 
     model: the base `Model` (decoder + tokenizer). examples: (dataset name, QAExample) pairs.
     retrieve(questions, k) -> k passage texts per question (`Retriever.retrieve_texts`).
     encoder: `.encode(texts) -> [n, dim]`, embeds GenRead round 1 for k-means.
-    section: `cfg.construct` (`ConstructParams` fields). mesh: passed to `generate` (rows split
-    over its batch axes). max_length: the training sequence length (`model.max_length`; 0 = no
-    limit): longer question + answer pairs are dropped and counted (`drop_too_long`).
+    section: `cfg.construct` (`ConstructParams` fields); a batch's rows are split over the
+    model's mesh (`sampler.placement`), the shards between the processes. max_length: the
+    training sequence length (`model.max_length`; 0 = no limit): longer question + answer
+    pairs are dropped and counted (`drop_too_long`).
     Returns `out_dir`; rerunning resumes, a finished run returns at once."""
     params = ConstructParams.from_config(section)
     out_dir = Path(out_dir)
@@ -338,7 +339,7 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
     todo = [k for k in mine if not shard_path(out_dir, k).exists()]
     demos = params.demos_per_cluster > 0  # zero-shot round 2 needs no round 1 or pools
     if todo or (demos and not (out_dir / ROUND1 / POOLS).exists()):
-        pools = genread_pools(model, shards, mine, out_dir, encoder, params, int(rng_seed), pi, mesh,
+        pools = genread_pools(model, shards, mine, out_dir, encoder, params, int(rng_seed), pi,
                               wait_timeout_s, progress) if demos else {}
         done = sum(len(shards[k]) for k in mine) - sum(len(shards[k]) for k in todo)
         with tqdm(total=done + sum(len(shards[k]) for k in todo), initial=done, desc="construct", unit="q",
@@ -346,7 +347,7 @@ def construct(model, examples: Iterable[tuple[str, QAExample]], retrieve: Retrie
             for k in todo:
                 host_memory.bound()
                 write_jsonl(shard_path(out_dir, k),
-                            construct_shard(model, shards[k], k, pools, retrieve, params, int(rng_seed), mesh))
+                            construct_shard(model, shards[k], k, pools, retrieve, params, int(rng_seed)))
                 bar.update(len(shards[k]))
     if pi == 0:
         wait_for([shard_path(out_dir, k) for k in range(len(shards))], "the other processes' shards", wait_timeout_s)

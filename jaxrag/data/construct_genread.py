@@ -70,7 +70,7 @@ EMPTY_REDRAWS = 3  # sampled redraws of an empty document before it is given up 
 
 
 def verbalize(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, sampling: SamplingParams,
-              rng: jax.Array, batch_size: int, mesh=None, redraw: SamplingParams | None = None,
+              rng: jax.Array, batch_size: int, redraw: SamplingParams | None = None,
               redraws: int = EMPTY_REDRAWS) -> list[Verbalization]:
     """Generates one document per prompt (token ids), stopping at EOS or after `max_new_tokens`.
 
@@ -82,13 +82,13 @@ def verbalize(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, s
     A document that comes out empty (the first token was EOS) is drawn again with `redraw`
     sampling (default `sampling`; round 1 is greedy, so its own rule would repeat the empty text),
     at most `redraws` times; one still empty after that stays "" for the caller to drop."""
-    out = _generate_documents(model, prompts, range(len(prompts)), max_new_tokens, sampling, rng, batch_size, mesh)
+    out = _generate_documents(model, prompts, range(len(prompts)), max_new_tokens, sampling, rng, batch_size)
     for attempt in range(redraws):
         empty = [i for i, v in enumerate(out) if not v.text]
         if not empty:
             break
         again = _generate_documents(model, prompts, empty, max_new_tokens, redraw or sampling,
-                                    jax.random.fold_in(jax.random.fold_in(rng, 1 << 20), attempt), batch_size, mesh)
+                                    jax.random.fold_in(jax.random.fold_in(rng, 1 << 20), attempt), batch_size)
         for i, v in zip(empty, again):
             out[i] = v
     return out
@@ -100,7 +100,7 @@ def redraw_sampling(params) -> SamplingParams:
 
 
 def _generate_documents(model, prompts, rows: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                        rng: jax.Array, batch_size: int, mesh) -> list[Verbalization]:
+                        rng: jax.Array, batch_size: int) -> list[Verbalization]:
     """`verbalize`'s one pass over `prompts[rows]` -> their documents, in `rows` order."""
     tok = model.tokenizer
     eos = tok.eos_token_id
@@ -111,7 +111,7 @@ def _generate_documents(model, prompts, rows: Sequence[int], max_new_tokens: int
     for b, start in enumerate(range(0, len(order), batch_size)):
         chunk = order[start:start + batch_size]
         batch = [prompts[rows[r]] for r in chunk]
-        generated = generate(model.decoder, batch, max_new_tokens, [eos], sampling, jax.random.fold_in(rng, b), mesh,
+        generated = generate(model.decoder, batch, max_new_tokens, [eos], sampling, jax.random.fold_in(rng, b),
                              rows=batch_size)
         for r, ids in zip(chunk, generated):
             stopped = bool(ids) and ids[-1] == eos
@@ -221,7 +221,7 @@ def wait_for(paths: Sequence[Path], what: str, timeout_s: float) -> None:
 
 
 def genread_pools(model, shards: Sequence[Sequence], mine: Sequence[int], out_dir: Path, encoder, params, seed: int,
-                  process_index: int, mesh=None, timeout_s: float = 24 * 3600, progress: bool = True
+                  process_index: int, timeout_s: float = 24 * 3600, progress: bool = True
                   ) -> dict[str, DemoPool]:
     """GenRead round 1 (greedy zero-shot) -> k-means demonstration pools per dataset.
 
@@ -240,7 +240,7 @@ def genread_pools(model, shards: Sequence[Sequence], mine: Sequence[int], out_di
                 prompts = [genread_prompt(model.tokenizer, it.question, is_ambiguous(it.dataset, it.example), [])[0]
                            for it in shards[k]]
                 verbs = verbalize(model, prompts, params.verbalize_max_tokens, sampling=SamplingParams(),
-                                  rng=jax.random.key(seed), batch_size=params.generate_batch_size, mesh=mesh,
+                                  rng=jax.random.key(seed), batch_size=params.generate_batch_size,
                                   redraw=redraw_sampling(params))
                 write_jsonl(round1_path(out_dir, k), (
                     {"dataset": it.dataset, "id": it.example.id, "question": it.question, "document": v.text,

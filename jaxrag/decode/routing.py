@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxrag.decode.phases import charge_phases
 from jaxrag.decode.policy import Policy, PolicyInputs, source_probabilities
-from jaxrag.decode.sampler import (SamplingParams, batch_rows, bucket, decode, extend, init_state, left_pad,
+from jaxrag.decode.sampler import (SamplingParams, batch_rows, bucket, decode, extend, init_state, left_pad, placement,
                                    on_mesh, stop_matrix)
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
@@ -96,17 +96,17 @@ def answer_text(tok, tokens: list[int], eos: list[int]) -> str:
 
 
 def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retrieve,
-          cfg: RouteConfig, rng: jax.Array | None = None, mesh=None, rows: int | None = None) -> list[Routed]:
+          cfg: RouteConfig, rng: jax.Array | None = None, rows: int | None = None) -> list[Routed]:
     """Routes, verbalizes or retrieves, and answers a batch of questions in one pass.
 
-    `mesh`: rows are split over its batch axes (decoder placed with `shard_decoder`).
+    Rows are split over the batch axes of the decoder's mesh (`sampler.placement`).
     `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`)."""
     if not questions:
         raise JaxragError("route: empty batch of questions")
     if not model.sources:
         raise JaxragError("route: the model has no SR-RAG tokens (convert it with --sources first)")
     tok, dec, sources = model.tokenizer, model.decoder, tuple(model.sources)
-    n = len(questions)
+    mesh, n = placement(dec), len(questions)
     src_ids = [model.token_id(source_token(s)) for s in sources]
     eok, tail = model.token_id(EOK), answer_prefix_ids(tok)
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]

@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxrag import sharding
 from jaxrag.models.decoder import Decoder, KVCache, init_cache
+from jaxrag.models.kv_cache import LayerCache
 from jaxrag.sharding import batch_sharding, data_parallel_size, place
 
 NO_TOKEN = -1  # marks "no token generated at this step" in output buffers
@@ -55,7 +57,7 @@ class SamplingParams:
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache  # one LayerCache per layer: keys, values [batch * kv_heads, slots, head_dim]
+    cache: KVCache  # one LayerCache per layer: keys, values [batch, kv_heads, slots, head_dim]
     key_mask: jax.Array  # [batch, slots] bool: slots holding this row's real tokens
     next_pos: jax.Array  # [batch] int32: position id of each row's next token
     slot: jax.Array  # [] int32: next free cache slot, shared by all rows
@@ -89,7 +91,7 @@ def bucket(n: int, minimum: int = 8) -> int:
     return min(1 << (n - 1).bit_length(), -(-n // 128) * 128)
 
 
-def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
+def _zero_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
     cfg = decoder.cfg
     return DecodeState(
         cache=init_cache(cfg, batch, slots),
@@ -98,6 +100,20 @@ def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
         slot=jnp.zeros((), jnp.int32),
         logits=jnp.zeros((batch, cfg.padded_vocab_size), jnp.float32),
     )
+
+
+def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
+    """A zeroed state for `batch` rows of `slots` cache slots, placed as the decoder is
+    (`placement`): rows over the mesh's batch axes, KV heads over `tensor`; created in place on
+    the devices (no device holds the whole cache)."""
+    mesh = placement(decoder)
+    if mesh is None:
+        return _zero_state(decoder, batch, slots)
+    shapes = jax.eval_shape(lambda: _zero_state(decoder, batch, slots))
+    rows, whole = batch_sharding(mesh), sharding.replicated(mesh)
+    layer = LayerCache(*(sharding.cache_sharding(mesh, x.shape) for x in shapes.cache[0]))
+    out = DecodeState(tuple(layer for _ in shapes.cache), rows, rows, whole, rows)
+    return jax.jit(lambda: _zero_state(decoder, batch, slots), out_shardings=out)()
 
 
 def _extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer=None):
@@ -128,11 +144,12 @@ def prefill_last(decoder: Decoder, sequences: Sequence[Sequence[int]], hidden_la
     """One left-padded prefill per chunk of `max_rows` sequences, nothing decoded after it: yields
     (rows in the chunk, the state, whose logits are at each row's last token, and `hidden_layer`'s
     state there). Shapes are bucketed, so a run compiles a few programs."""
+    mesh = placement(decoder)
     for start in range(0, len(sequences), max_rows):
         chunk = sequences[start:start + max_rows]
-        rows, length = bucket(len(chunk), 1), bucket(max(map(len, chunk)))
+        rows, length = batch_rows(bucket(len(chunk), 1), mesh), bucket(max(map(len, chunk)))
         ids, mask = left_pad(chunk, length, rows)
-        state, hidden = extend(decoder, init_state(decoder, rows, length), jnp.asarray(ids), jnp.asarray(mask),
+        state, hidden = extend(decoder, init_state(decoder, rows, length), on_mesh(ids, mesh), on_mesh(mask, mesh),
                                hidden_layer=hidden_layer)
         yield len(chunk), state, hidden
 
@@ -250,11 +267,20 @@ def stop_matrix(stops: Sequence[Sequence[int]], batch: int) -> np.ndarray:
 
 
 def shard_decoder(decoder: Decoder, mesh) -> Decoder:
-    """The decoder with its parameters placed on `mesh` by the logical-axis rules."""
+    """The decoder with its parameters placed on `mesh` by the logical-axis rules. Generation
+    reads the placement from the decoder (`placement`): rows go over the mesh's batch axes."""
     graphdef, state = nnx.split(decoder)
     placed = sharding.place(nnx.to_pure_dict(state), sharding.param_shardings(mesh, decoder))
     nnx.replace_by_pure_dict(state, placed)
     return nnx.merge(graphdef, state)
+
+
+def placement(decoder: Decoder):
+    """The mesh the decoder's parameters are placed on (`shard_decoder`); None when they are on
+    one device, where generation runs unsharded."""
+    leaf = jax.tree.leaves(nnx.state(decoder, nnx.Param))[0]
+    where = getattr(leaf, "sharding", None)
+    return where.mesh if isinstance(where, NamedSharding) and where.mesh.size > 1 else None
 
 
 def batch_rows(n: int, mesh=None, size: int | None = None) -> int:
@@ -281,13 +307,14 @@ def on_mesh(array, mesh):
 def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
-             mesh=None, rows: int | None = None) -> list[list[int]]:
+             rows: int | None = None) -> list[list[int]]:
     """Generates a continuation for each prompt (token ids); stop tokens are kept in the output.
 
     `stop_ids`: one list for all rows, or one list per row (e.g. EOS, `<EOK>`, source tokens).
-    `mesh`: rows are split over its batch axes (the decoder placed with `shard_decoder`).
+    Rows are split over the batch axes of the decoder's mesh (`placement`, `shard_decoder`).
     `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`).
     """
+    mesh = placement(decoder)
     if not prompts:
         raise ValueError("generate: empty batch")
     if any(len(p) == 0 for p in prompts):

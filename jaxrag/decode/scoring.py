@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrag.decode.sampler import batch_rows, bucket, left_pad
+from jaxrag.decode.sampler import batch_rows, bucket, left_pad, on_mesh, placement
 from jaxrag.models.decoder import Decoder
 from jaxrag.models.masks import positions_from_mask
 from jaxrag.train.losses import target_logprobs
@@ -36,21 +36,21 @@ def sequence_token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array, t
 def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
           batch_size: int = 16) -> Scores:
     """log p(target_i | prefix_i) for each pair, in jitted batches of `batch_size` rows (the last
-    one padded to it, so it runs the same program)."""
+    one padded to it, so it runs the same program), split over the decoder's mesh (`placement`)."""
     if len(prefixes) != len(targets):
         raise ValueError(f"score: {len(prefixes)} prefixes but {len(targets)} targets")
     if any(len(p) == 0 for p in prefixes):
         raise ValueError("score: every prefix needs at least one token (e.g. BOS or the question)")
-    totals, per_token = [], []
+    totals, per_token, mesh = [], [], placement(decoder)
     for start in range(0, len(prefixes), batch_size):
         rows = [list(p) + list(t) for p, t in zip(prefixes[start:start + batch_size], targets[start:start + batch_size])]
         length = bucket(max(len(r) for r in rows))
-        ids, mask = left_pad(rows, length, batch_rows(len(rows), size=batch_size))
+        ids, mask = left_pad(rows, length, batch_rows(len(rows), mesh, size=batch_size))
         part = targets[start:start + batch_size]
         at = np.zeros((len(ids), min(length, bucket(max(map(len, part)), 1))), np.int32)
         for i, target in enumerate(part):  # rows are left-padded: a target ends its row
             at[i, :len(target)] = np.arange(length - len(target), length)
-        logp = np.asarray(sequence_token_logprobs(decoder, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(at)))
+        logp = np.asarray(sequence_token_logprobs(decoder, on_mesh(ids, mesh), on_mesh(mask, mesh), on_mesh(at, mesh)))
         for i, target in enumerate(part):
             tok = logp[i, length - len(target):] if len(target) else np.zeros(0, np.float32)
             per_token.append(tok)

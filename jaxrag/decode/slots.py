@@ -3,7 +3,8 @@
 `sampler.DecodeState` keeps one cache column shared by every row, which suits a batch that starts
 together. A server's rows start and finish at different steps, so the pool keeps, per row, its own
 next free cache column (`write`) and position, in the same per-layer cache layout
-(`models.kv_cache.LayerCache`, [slots * kv_heads, length, head_dim]):
+(`models.kv_cache.LayerCache`, [slots, kv_heads, length, head_dim]: each row's cache is a
+batch-1 cache, [kv_heads, length, head_dim], stacked):
 
     admit_rows(decoder, pool, rows, ...)    question prefills, each on a fresh batch-1 state
                                             (`sampler.extend`), become rows `rows`
@@ -36,7 +37,7 @@ from jaxrag.models.kv_cache import KVCache, LayerCache
 
 
 class SlotPool(NamedTuple):
-    cache: KVCache  # one LayerCache per layer: [slots * kv_heads, length, head_dim]
+    cache: KVCache  # one LayerCache per layer: [slots, kv_heads, length, head_dim]
     key_mask: jax.Array  # [slots, length] bool: columns holding each row's real tokens
     next_pos: jax.Array  # [slots] int32: position id of each row's next token
     write: jax.Array  # [slots] int32: each row's next free cache column
@@ -45,23 +46,21 @@ class SlotPool(NamedTuple):
 
 def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
     cfg = decoder.cfg
-    return SlotPool(init_cache(cfg, slots, length), jnp.zeros((slots, length), bool),
+    row = init_cache(cfg, 1, length)  # each slot's cache is a batch-1 cache, stacked
+    cache = tuple(LayerCache(*(jnp.zeros((slots, *x.shape), x.dtype) for x in c)) for c in row)
+    return SlotPool(cache, jnp.zeros((slots, length), bool),
                     jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32),
                     jnp.zeros((slots, cfg.padded_vocab_size), jnp.float32))
 
 
 def _rows(pool: SlotPool) -> DecodeState:
-    """The pool as batch-1 states stacked on a leading slot axis (free reshapes)."""
-    n, length = pool.key_mask.shape
-    split = lambda buf: buf.reshape(n, buf.shape[0] // n, length, buf.shape[-1])
-    cache = tuple(LayerCache(split(c.k), split(c.v)) for c in pool.cache)
-    return DecodeState(cache, pool.key_mask[:, None], pool.next_pos[:, None], pool.write, pool.logits[:, None])
+    """The pool as batch-1 states stacked on a leading slot axis (free reshapes; the caches are
+    batch-1 caches stacked already)."""
+    return DecodeState(pool.cache, pool.key_mask[:, None], pool.next_pos[:, None], pool.write, pool.logits[:, None])
 
 
 def _pool(rows: DecodeState) -> SlotPool:
-    merge = lambda buf: buf.reshape(-1, *buf.shape[2:])
-    cache = tuple(LayerCache(merge(c.k), merge(c.v)) for c in rows.cache)
-    return SlotPool(cache, rows.key_mask[:, 0], rows.next_pos[:, 0], rows.slot, rows.logits[:, 0])
+    return SlotPool(rows.cache, rows.key_mask[:, 0], rows.next_pos[:, 0], rows.slot, rows.logits[:, 0])
 
 
 def _gather(pool: SlotPool, rows) -> DecodeState:

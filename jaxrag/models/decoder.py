@@ -196,20 +196,21 @@ class Attention(nnx.Module):
         q = apply_rope(self._project(x, "wq", "bq", dropout), cos, sin)
         k = apply_rope(self._project(x, "wk", "bk", dropout), cos, sin)
         v = self._project(x, "wv", "bv", dropout)
-        key_len = k.shape[1] if cache is None else cache.k.shape[1]
+        key_len = k.shape[1] if cache is None else cache.k.shape[-2]
         impl = attention_implementation(jax.default_backend(), x.dtype, self.cfg.head_dim, self.cfg.sliding_window,
                                         q.shape[1], key_len)
         if cache is not None:
-            # This chunk's slots, written in place at `cache_index`: [b, t, kv, h] -> [b * kv, t, h].
-            write = lambda buf, new: jax.lax.dynamic_update_slice(
-                buf, new.transpose(0, 2, 1, 3).reshape(buf.shape[0], -1, new.shape[-1]).astype(buf.dtype),
-                (0, cache_index, 0))
+            # This chunk's slots, written in place at `cache_index`: [b, t, kv, h] -> [b, kv, t, h]
+            # (one row: [kv, t, h], as its cache has no row axis).
+            def write(buf, new):
+                new = new.transpose(0, 2, 1, 3).reshape(buf.shape[:-2] + new.shape[1:2] + new.shape[3:])
+                return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0,) * (buf.ndim - 2) + (cache_index, 0))
             cache = LayerCache(write(cache.k, k), write(cache.v, v))
             if impl == "xla":
                 out = cached_attention(q, cache, mask)
             else:  # a long prefill chunk on cuDNN's fused kernel, which reads [b, s, kv, h]: one
                 # transposed copy of the cache per chunk, small beside the chunk's matmuls
-                read = lambda buf: buf.reshape(q.shape[0], -1, *buf.shape[1:]).transpose(0, 2, 1, 3).astype(x.dtype)
+                read = lambda buf: buf.reshape(q.shape[0], -1, *buf.shape[-2:]).transpose(0, 2, 1, 3).astype(x.dtype)
                 out = jax.nn.dot_product_attention(q, read(cache.k), read(cache.v), mask=mask, implementation=impl)
         else:
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)  # grouped-query aware
@@ -391,7 +392,8 @@ class Decoder(nnx.Module):
 
 
 def init_cache(cfg: DecoderConfig, batch: int, length: int, dtype=None) -> KVCache:
-    """Zeroed static-shape KV cache: one `LayerCache` per layer, `length` slots."""
+    """Zeroed static-shape KV cache: one `LayerCache` per layer, `length` slots ([batch, kv_heads,
+    length, head_dim]; one row: [kv_heads, length, head_dim], see `LayerCache`)."""
     dtype = dtype or resolve_dtype(cfg.dtype)
-    shape = (batch * cfg.num_kv_heads, length, cfg.head_dim)
+    shape = (cfg.num_kv_heads, length, cfg.head_dim) if batch == 1 else (batch, cfg.num_kv_heads, length, cfg.head_dim)
     return tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
