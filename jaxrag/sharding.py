@@ -124,6 +124,12 @@ def generation_tensor(requested: int, n_devices: int, weight_bytes: float, devic
     return tensor
 
 
+def usable_device_bytes() -> float:
+    """What this process's first device lets a program use: its allocator's limit less 10% (as
+    `jaxrag.plan`'s fit check); 0 where the backend reports none (CPU)."""
+    return 0.9 * (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+
+
 def generation_mesh(tensor: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp=1, tensor) mesh over `devices` (default: this process's own devices) for
     generation: the model split over `tensor`, every data replica its share of the rows."""
@@ -132,9 +138,10 @@ def generation_mesh(tensor: int, devices: Sequence[jax.Device] | None = None) ->
 
 
 def cache_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """A KV-cache buffer [batch, kv_heads, slots, head_dim]: rows over the batch axes, heads over
-    `tensor` (replicated where `tensor` does not divide them)."""
-    return NamedSharding(mesh, _fit(P(BATCH_AXES, "tensor"), shape, mesh))
+    """A KV-cache buffer [batch, kv_heads, slots, head_dim] (one row: [kv_heads, slots, head_dim]):
+    rows over the batch axes, heads over `tensor` (replicated where an axis does not divide them)."""
+    spec = P(BATCH_AXES, "tensor") if len(shape) == 4 else P("tensor")
+    return NamedSharding(mesh, _fit(spec, shape, mesh))
 
 
 def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:

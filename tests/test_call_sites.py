@@ -58,7 +58,7 @@ def test_figure4_points_set_thresholds_on_validation_scores_with_ties(monkeypatc
     test_score = {"p?": 0.0, "t1?": 0.1, "h?": 0.5, "t2?": 0.95}
     routed_at = []
 
-    def route_items(model, its, policy, retrieve, cfg, bs, desc):
+    def route_items(model, its, policy, retrieve, cfg, bs, desc, mapper):
         routed_at.append((policy, [ex.question for _, ex in its]))
         return [types.SimpleNamespace(source=WIKI if test_score[ex.question] > policy else SELF) for _, ex in its]
 
@@ -69,7 +69,8 @@ def test_figure4_points_set_thresholds_on_validation_scores_with_ties(monkeypatc
     cfg = tiny_config("qwen2")
     cfg.eval.latency_sweep_points = 5
     test = types.SimpleNamespace(items=items)
-    curve = eval_stage.figure4_points(cfg, None, test, types.SimpleNamespace(bs=4), None, None, np.arange(4), val)
+    curve = eval_stage.figure4_points(cfg, None, test, types.SimpleNamespace(bs=4, mapper=None), None, None,
+                                      np.arange(4), val)
     assert [p["threshold"] for p in curve] == pytest.approx([-0.8, 0.2, 0.2, 0.2, 0.9])
     assert [p["verbalized_frac_validation"] for p in curve] == pytest.approx([0, 4 / 6, 4 / 6, 4 / 6, 1])
     assert all(qs == ["t1?", "h?", "t2?"] for _, qs in routed_at)

@@ -275,6 +275,18 @@ def shard_decoder(decoder: Decoder, mesh) -> Decoder:
     return nnx.merge(graphdef, state)
 
 
+def place_for_generation(decoder: Decoder, tensor: int = 0) -> tuple[Decoder, dict]:
+    """The decoder on this process's devices for generation (`sharding.generation_mesh`): split
+    over `tensor` devices (0 = only as far as it must be to fit, `sharding.generation_tensor`),
+    replicated over the others, which each take their share of a batch's rows. Returns it and the
+    placement (processes, devices per process, data and tensor sizes) for the run's records."""
+    n = jax.local_device_count()
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(decoder, nnx.Param)))
+    t = sharding.generation_tensor(int(tensor), n, weights, sharding.usable_device_bytes())
+    where = {"processes": jax.process_count(), "devices_per_process": n, "data": n // t, "tensor": t}
+    return (decoder if n == 1 else shard_decoder(decoder, sharding.generation_mesh(t))), where
+
+
 def placement(decoder: Decoder):
     """The mesh the decoder's parameters are placed on (`shard_decoder`); None when they are on
     one device, where generation runs unsharded."""

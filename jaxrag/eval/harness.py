@@ -27,6 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxrag.runtime import host_memory
+from jaxrag.runtime.shares import chunk_starts
 from jaxrag.data.schema import QAExample
 from jaxrag.decode.policy import Policy, PolicyInputs
 from jaxrag.decode.routing import Retrieve, RouteConfig, route, timed
@@ -109,16 +110,19 @@ class Paths:
 class RetrievalCache:
     """`retrieve` run once over a fixed question set, in batches of the decoding batch size:
     the five models' Wiki paths read the same passages for the same questions. `seconds[q]` =
-    q's share of its batch's measured time."""
+    q's share of its batch's measured time. `mapper` maps the batches (`Mapper`)."""
 
-    def __init__(self, retrieve: Retrieve, questions: Sequence[str], batch_size: int):
+    def __init__(self, retrieve: Retrieve, questions: Sequence[str], batch_size: int, mapper: Mapper | None = None):
+        unique = list(dict.fromkeys(questions))
+
+        def run(start: int) -> tuple[list[str], list[list[str]], float]:
+            qs = unique[start:start + batch_size]
+            found, seconds = without_compiles(lambda: timed(lambda: retrieve(qs)))
+            return qs, found, seconds / len(qs)
+
         self.passages: dict[str, list[str]] = {}
         self.seconds: dict[str, float] = {}
-        unique = list(dict.fromkeys(questions))
-        for start in _batches(len(unique), batch_size, "retrieve"):
-            qs = unique[start:start + batch_size]
-            found, seconds = without_compiles(lambda qs=qs: timed(lambda: retrieve(qs)))
-            each = seconds / len(qs)
+        for qs, found, each in (mapper or local_map)(run, chunk_starts(len(unique), batch_size), "retrieve"):
             self.passages.update(zip(qs, found))
             self.seconds.update(dict.fromkeys(qs, each))
 
@@ -131,36 +135,42 @@ def questions_of(items: Sequence[Item]) -> list[str]:
     return [ex.prompt_question() for _, ex in items]
 
 
-def _batches(n: int, size: int, desc: str):
-    for start in tqdm(range(0, n, size), desc=desc, unit="batch", leave=False):
-        host_memory.bound()
-        yield start
+# How a loop's batches are mapped: fn over the chunks (batch starts), results in chunk order.
+# `local_map` computes them here; the eval stage splits them between the processes
+# (`jaxrag.runtime.shares.map_shared`). `name` names the loop (its progress bar, its spool).
+Mapper = Callable[[Callable[[T], object], Sequence[T], str], list]
+
+
+def local_map(fn: Callable[[T], object], chunks: Sequence[T], name: str) -> list:
+    return [fn(c) for c in tqdm(chunks, desc=name, unit="batch", leave=False)]
 
 
 def routed_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, cfg: RouteConfig,
-                 batch_size: int, desc: str = "paths") -> Paths:
+                 batch_size: int, desc: str = "paths", mapper: Mapper | None = None) -> Paths:
     """A fine-tuned model's paths: `route()` with each of its sources forced in turn."""
     items, questions = list(items), questions_of(items)
     correct, latency, answers, seen = {}, {}, {}, []
     for source in model.sources:
-        scores, times, texts = [], [], []
-        for start in _batches(len(items), batch_size, f"{desc} [{source}]"):
-            def run(start=start, source=source):
+        def batch(start: int, source=source):
+            def run():
                 recorded = []  # what the router saw, from the kept run only
                 def forced(x: PolicyInputs):
                     recorded.append(x)
                     return always(source)(x)
                 return route(model, questions[start:start + batch_size], forced, retrieve, cfg, rows=batch_size), recorded
-            routed, batch_inputs = without_compiles(run)
-            if source == model.sources[0]:
-                seen += batch_inputs
+            routed, recorded = without_compiles(run)
+            rows = []
             for (name, ex), r in zip(items[start:start + batch_size], routed):
-                scores.append(score_prediction(name, r.answer, ex))
                 # T_r measured the cache lookup; charge the retrieval's own time instead
                 phases = {**r.latency, "T_r": retrieve.seconds[r.question]} if "T_r" in r.latency else r.latency
-                times.append(sum(phases.values()))
-                texts.append(r.answer)
-        correct[source], latency[source], answers[source] = np.array(scores), np.array(times), texts
+                rows.append((score_prediction(name, r.answer, ex), sum(phases.values()), r.answer))
+            return rows, recorded
+        done = (mapper or local_map)(batch, chunk_starts(len(items), batch_size), f"{desc} [{source}]")
+        rows = [row for part, _ in done for row in part]
+        correct[source], latency[source] = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
+        answers[source] = [r[2] for r in rows]
+        if source == model.sources[0]:
+            seen = [x for _, recorded in done for x in recorded]
     inputs = PolicyInputs(questions, tuple(model.sources), np.concatenate([s.p_model for s in seen]),
                           np.concatenate([s.hidden for s in seen]))
     return Paths(items, tuple(model.sources), correct, latency, answers, inputs)
@@ -177,14 +187,12 @@ def _timed_generate(model: Model, prompts: list[str], max_new: int, rows: int) -
 
 
 def untuned_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache, cfg: RouteConfig,
-                  batch_size: int) -> Paths:
+                  batch_size: int, mapper: Mapper | None = None) -> Paths:
     """The untuned model's two baselines with its own prompts: `wiki` = always-RAG (retrieved
     passages in the prompt), `self` = GenRead (verbalize a background document, then answer)."""
     items, questions = list(items), questions_of(items)
-    correct = {SELF: [], WIKI: []}
-    latency = {SELF: [], WIKI: []}
-    answers = {SELF: [], WIKI: []}
-    for start in _batches(len(items), batch_size, "untuned paths"):
+
+    def batch(start: int) -> dict[str, list[tuple[float, float, str]]]:
         qs, chunk = questions[start:start + batch_size], items[start:start + batch_size]
         passages, t_r = retrieve(qs), sum(retrieve.seconds[q] for q in qs)
         wiki, t_g = _timed_generate(model, [base_prompt_text(q, p) for q, p in zip(qs, passages)],
@@ -192,12 +200,13 @@ def untuned_paths(model: Model, items: Sequence[Item], retrieve: RetrievalCache,
         docs, t_v = _timed_generate(model, [genread_prompt_text(q) for q in qs], cfg.max_verbal_tokens, batch_size)
         verb, t_gv = _timed_generate(model, [base_prompt_text(q, [d]) for q, d in zip(qs, docs)],
                                      cfg.max_answer_tokens, batch_size)
-        for source, texts, seconds in ((WIKI, wiki, t_r + t_g), (SELF, verb, t_v + t_gv)):
-            correct[source] += [score_prediction(name, a, ex) for (name, ex), a in zip(chunk, texts)]
-            latency[source] += [seconds / len(qs)] * len(qs)
-            answers[source] += texts
-    return Paths(items, (SELF, WIKI), {s: np.array(v) for s, v in correct.items()},
-                 {s: np.array(v) for s, v in latency.items()}, answers)
+        return {source: [(score_prediction(name, a, ex), seconds / len(qs), a) for (name, ex), a in zip(chunk, texts)]
+                for source, texts, seconds in ((WIKI, wiki, t_r + t_g), (SELF, verb, t_v + t_gv))}
+
+    done = (mapper or local_map)(batch, chunk_starts(len(items), batch_size), "untuned paths")
+    rows = {s: [row for part in done for row in part[s]] for s in (SELF, WIKI)}
+    return Paths(items, (SELF, WIKI), {s: np.array([r[0] for r in v]) for s, v in rows.items()},
+                 {s: np.array([r[1] for r in v]) for s, v in rows.items()}, {s: [r[2] for r in v] for s, v in rows.items()})
 
 
 # -- decisions ---------------------------------------------------------------------------------
@@ -213,19 +222,22 @@ def constant(paths: Paths, retrieve: bool) -> Decision:
     return Decision(np.full(len(paths.items), retrieve))
 
 
-def decide(policy: Policy, paths: Paths, batch_size: int) -> Decision:
-    """Runs a policy over the recorded router inputs, in batches, timing it."""
-    inputs, out, scores, seconds = paths.inputs, [], [], []
-    for start in range(0, len(inputs.questions), batch_size):
+def decide(policy: Policy, paths: Paths, batch_size: int, mapper: Mapper | None = None, name: str = "decide") -> Decision:
+    """Runs a policy over the recorded router inputs, in batches (mapped by `mapper`), timing it."""
+    inputs = paths.inputs
+
+    def batch(start: int):
         sl = slice(start, start + batch_size)
-        batch = PolicyInputs(inputs.questions[sl], inputs.sources, inputs.p_model[sl], inputs.hidden[sl])
-        d, t = without_compiles(lambda batch=batch: timed(lambda: policy(batch)))
-        n = len(inputs.questions[sl])
-        seconds += [t / n] * n
-        out.append(np.asarray(d.source) == inputs.sources.index(WIKI))
-        scores.append(np.asarray(d.score, np.float64) if d.score is not None else np.full(n, np.nan))
-    score = np.concatenate(scores)
-    return Decision(np.concatenate(out), None if np.isnan(score).all() else score, np.array(seconds))
+        part = PolicyInputs(inputs.questions[sl], inputs.sources, inputs.p_model[sl], inputs.hidden[sl])
+        d, t = without_compiles(lambda: timed(lambda: policy(part)))
+        n = len(part.questions)
+        return (np.asarray(d.source) == inputs.sources.index(WIKI), [t / n] * n,
+                np.asarray(d.score, np.float64) if d.score is not None else np.full(n, np.nan))
+
+    done = (mapper or local_map)(batch, chunk_starts(len(inputs.questions), batch_size), name)
+    score = np.concatenate([d[2] for d in done])
+    return Decision(np.concatenate([d[0] for d in done]), None if np.isnan(score).all() else score,
+                    np.array([t for d in done for t in d[1]]))
 
 
 def tune_threshold(score: np.ndarray, paths: Paths) -> float:

@@ -24,13 +24,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxrag.decode.phases import charge_phases
 from jaxrag.decode.policy import Policy
 from jaxrag.decode.routing import RouteConfig, Routed, route
 from jaxrag.decode.sampler import generate
-from jaxrag.eval.harness import Decision, Item, Paths, questions_of, without_compiles
+from jaxrag.eval.harness import Decision, Item, Mapper, Paths, local_map, questions_of, without_compiles
 from jaxrag.eval.metrics import score_prediction
 from jaxrag.models.model import Model
 from jaxrag.models.tokens import SELF, WIKI
@@ -63,13 +62,19 @@ def latency_batches(items: Sequence[Item], batch_size: int) -> list[list[int]]:
 
 
 def route_items(model: Model, items: Sequence[Item], policy: Policy, retrieve: Callable, cfg: RouteConfig,
-                batch_size: int, desc: str) -> list[Routed]:
-    """`route()` over items in `latency_batches`."""
-    out: list[Routed | None] = [None] * len(items)
+                batch_size: int, desc: str, mapper: Mapper | None = None) -> list[Routed]:
+    """`route()` over items in `latency_batches` (mapped by `mapper`, `harness.Mapper`)."""
     questions = questions_of(items)
-    for batch in tqdm(latency_batches(items, batch_size), desc=desc, unit="batch", leave=False):
-        routed = without_compiles(lambda batch=batch: route(model, [questions[i] for i in batch], policy, retrieve, cfg,
-                                                            rows=batch_size))
+    batches = latency_batches(items, batch_size)
+    done = (mapper or local_map)(
+        lambda batch: without_compiles(lambda: route(model, [questions[i] for i in batch], policy, retrieve, cfg,
+                                                     rows=batch_size)), batches, desc)
+    return _in_item_order(len(items), batches, done)
+
+
+def _in_item_order(n: int, batches: list[list[int]], done: list[list[Routed]]) -> list[Routed]:
+    out: list[Routed | None] = [None] * n
+    for batch, routed in zip(batches, done):
         for i, r in zip(batch, routed):
             out[i] = r
     return out
@@ -82,7 +87,8 @@ def _timed(fn, clock):
 
 
 def untuned_route_items(model: Model, items: Sequence[Item], source: str, retrieve: Callable, cfg: RouteConfig,
-                        batch_size: int, desc: str, clock: Callable[[], float] = time.perf_counter) -> list[Routed]:
+                        batch_size: int, desc: str, clock: Callable[[], float] = time.perf_counter,
+                        mapper: Mapper | None = None) -> list[Routed]:
     """The untuned model's constant methods in `latency_batches`, on its own prompts (as
     `harness.untuned_paths`): `wiki` = always-RAG (one batched retrieval, T_r, then the answer
     with the passages, T_g); `self` = GenRead (the background document, T_v, then the answer
@@ -114,11 +120,9 @@ def untuned_route_items(model: Model, items: Sequence[Item], source: str, retrie
                        latency={p: v for p, v in c.items() if p != "T_d"})
                 for q, k, a, c in zip(qs, knowledge, answers, charged)]
 
-    out: list[Routed | None] = [None] * len(items)
-    for batch in tqdm(latency_batches(items, batch_size), desc=desc, unit="batch", leave=False):
-        for i, r in zip(batch, without_compiles(lambda batch=batch: run(batch))):
-            out[i] = r
-    return out
+    batches = latency_batches(items, batch_size)
+    done = (mapper or local_map)(lambda batch: without_compiles(lambda: run(batch)), batches, desc)
+    return _in_item_order(len(items), batches, done)
 
 
 def item_seconds(r: Routed) -> float:
@@ -155,7 +159,8 @@ def agreement(routed: Sequence[Routed], idx: np.ndarray, paths: Paths, decision:
 
 
 def figure4(model: Model, items: Sequence[Item], validation_score: np.ndarray, neighbours: Neighbours | None,
-            retrieve: Callable, cfg: RouteConfig, batch_size: int, points: int) -> list[dict]:
+            retrieve: Callable, cfg: RouteConfig, batch_size: int, points: int,
+            mapper: Mapper | None = None) -> list[dict]:
     """Figure 4: SR-RAG routed for real on `items` at `points` thresholds, set at quantiles of its
     score on the validation questions (`validation_score`: never a test question) so that
     0, 1/(points-1), ..., 1 of the validation questions are verbalized; each point reports the
@@ -166,7 +171,7 @@ def figure4(model: Model, items: Sequence[Item], validation_score: np.ndarray, n
     for frac in np.linspace(0.0, 1.0, points):
         t = figure4_threshold(validation_score, frac)
         routed = route_items(model, items, srrag_policy(neighbours, t), retrieve, cfg, batch_size,
-                             f"figure 4 [{frac:.0%} of validation verbalized]")
+                             f"figure 4 [{frac:.0%} of validation verbalized]", mapper)
         s = summarize(items, routed)
         curve.append({"threshold": t, "verbalized_frac_validation": float(np.mean(np.asarray(validation_score) <= t)),
                       "verbalized_frac": 1.0 - s["rag_frac"], "rag_frac": s["rag_frac"],

@@ -80,8 +80,8 @@ PROTOCOLS = ("paper", "validation")
 class Evaluation:
     """Runs every method's decisions and collects the results.json schema."""
 
-    def __init__(self, cfg: ConfigDict, selectors: SeedSelectors):
-        self.cfg, self.selectors = cfg, selectors
+    def __init__(self, cfg: ConfigDict, selectors: SeedSelectors, mapper: harness.Mapper | None = None):
+        self.cfg, self.selectors, self.mapper = cfg, selectors, mapper  # mapper: how batches are mapped (harness)
         self.protocol = str(cfg.eval.thresholds)
         if self.protocol not in PROTOCOLS:
             raise JaxragError(f"--config.eval.thresholds={self.protocol!r}: choose one of {', '.join(PROTOCOLS)}")
@@ -114,14 +114,15 @@ class Evaluation:
             return harness.constant(test, CONSTANT[m.rule]), always(source)
         if m.rule == "ccsk":
             policy = self.selectors.ccsk_policy()
-            return harness.decide(policy, test, self.bs), policy
+            return harness.decide(policy, test, self.bs, self.mapper, f"{m.name} decisions"), policy
         make = self.score_policy(m.rule, neighbours)
         if self.protocol == "paper":
             t = self.paper_threshold(m.rule)
         else:
-            t = harness.tune_threshold(harness.decide(make(0.0), val, self.bs).score, val)
+            t = harness.tune_threshold(harness.decide(make(0.0), val, self.bs, self.mapper,
+                                                      f"{m.name} validation decisions").score, val)
         self.thresholds[m.name] = t
-        d = harness.decide(make(t), test, self.bs)
+        d = harness.decide(make(t), test, self.bs, self.mapper, f"{m.name} decisions")
         return Decision(d.score > t, d.score, d.seconds), make(t)
 
     def add(self, m: Method, test: Paths, d: Decision) -> None:

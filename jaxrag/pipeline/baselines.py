@@ -66,7 +66,7 @@ def baselines_stage(cfg: ConfigDict, workdir: Path) -> Path:
     def with_datastore(name: str, train) -> Callable[[], None]:
         def piece():
             train()
-            if multihost.is_leader() and not (out / f"{name}_datastore").is_dir():  # no collectives
+            if not (out / f"{name}_datastore").is_dir():  # every process its share; process 0 writes it
                 build_policy_datastore(cfg, out / name / FINAL, records, out / f"{name}_datastore")
             # the next piece's training starts together: a process arriving at a new collective
             # waits at most 30 s for the others (gloo's rendezvous)

@@ -4,12 +4,13 @@ answer more likely (value). The baselines stage builds its ablations' datastores
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxrag.runtime import concurrency
+from jaxrag.runtime import concurrency, multihost, shares
 from jaxrag.data.schema import question_key
 from jaxrag.decode.routing import route
 from jaxrag.decode.scoring import score
@@ -22,40 +23,41 @@ from jaxrag.retrieval.datastore import build_datastore
 from jaxrag.train.stages import FINAL
 
 
-def preferred_sources(model, records: list[dict], cfg: ConfigDict) -> tuple[np.ndarray, list[str]]:
+def preferred_sources(model, records: list[dict], cfg: ConfigDict, spool: Path) -> tuple[np.ndarray, list[str]]:
     """The policy datastore's keys and values (§3.4): the fine-tuned model reads each training
     question (hidden state of `datastore_layer` at `<EOQ>` = key), verbalizes its own knowledge
     (the Self path, greedy) and is given the question's retrieved passages; the value is the
-    source under which it finds the gold answer more likely (ties go to Wiki, as Algorithm 1)."""
+    source under which it finds the gold answer more likely (ties go to Wiki, as Algorithm 1).
+    Batches of `inference.batch_size` questions, split between the processes (`shares`)."""
     tok, rc = model.tokenizer, route_config(cfg)
-    questions = [r["question"] for r in records]
-    retrieved = [[c["text"] for c in r["contexts"] if c["source"] == WIKI][: int(cfg.retrieval.n_passages)]
-                 for r in records]
-    keys, verbal = [], []
-    batch = int(cfg.inference.batch_size)
-    for start in range(0, len(records), batch):
+    batch, tail = int(cfg.inference.batch_size), answer_prefix_ids(tok)
+
+    def chunk(start: int) -> tuple[np.ndarray, list[str]]:
         concurrency.check()
+        part = records[start:start + batch]
+        questions = [r["question"] for r in part]
         seen = []
 
-        def forced(inputs, seen=seen):
+        def forced(inputs):
             seen.append(inputs.hidden)
             return always(SELF)(inputs)
 
-        routed = route(model, questions[start:start + batch], forced, lambda qs: [[""]] * len(qs), rc, rows=batch)
-        keys.append(seen[0])
-        verbal += [r.knowledge for r in routed]
-    tail = answer_prefix_ids(tok)
-    prompts = prompt_ids(tok, questions)
-    prefixes, targets = [], []
-    for i, rec in enumerate(records):
-        answer = answer_ids(tok, [rec["golden_answers"][0]])[0]
-        for source, passages in ((SELF, [verbal[i]]), (WIKI, retrieved[i])):
-            know = knowledge_ids(tok, [passages])[0][: rc.max_knowledge_tokens]
-            prefixes.append(prompts[i] + [model.token_id(source_token(source))] + know + tail)
-            targets.append(answer)
-    ll = np.asarray(score(model.decoder, prefixes, targets, batch_size=batch).total).reshape(-1, 2)
-    values = [SELF if s > w or not retrieved[i] else WIKI for i, (s, w) in enumerate(ll)]
-    return np.concatenate(keys), values
+        verbal = [r.knowledge for r in route(model, questions, forced, lambda qs: [[""]] * len(qs), rc, rows=batch)]
+        retrieved = [[c["text"] for c in r["contexts"] if c["source"] == WIKI][: int(cfg.retrieval.n_passages)]
+                     for r in part]
+        prompts = prompt_ids(tok, questions)
+        prefixes, targets = [], []
+        for i, rec in enumerate(part):
+            answer = answer_ids(tok, [rec["golden_answers"][0]])[0]
+            for source, passages in ((SELF, [verbal[i]]), (WIKI, retrieved[i])):
+                know = knowledge_ids(tok, [passages])[0][: rc.max_knowledge_tokens]
+                prefixes.append(prompts[i] + [model.token_id(source_token(source))] + know + tail)
+                targets.append(answer)
+        ll = np.asarray(score(model.decoder, prefixes, targets, batch_size=batch).total).reshape(-1, 2)
+        return np.asarray(seen[0]), [SELF if s > w or not retrieved[i] else WIKI for i, (s, w) in enumerate(ll)]
+
+    done = shares.map_shared(chunk, shares.chunk_starts(len(records), batch), spool, "datastore", "datastore")
+    return np.concatenate([k for k, _ in done]), [v for _, values in done for v in values]
 
 
 def entry_ids(records: list[dict]) -> list[str]:
@@ -70,9 +72,12 @@ def build_policy_datastore(cfg: ConfigDict, model_dir: Path, records: list[dict]
     if not 1 <= int(cfg.model.datastore_layer) <= layers:
         raise JaxragError(f"model.datastore_layer={cfg.model.datastore_layer}: {model_dir} has {layers} layers; "
                           f"choose 1-{layers}")
-    keys, values = preferred_sources(model, records, cfg)
-    build_datastore(out, keys, values, entry_ids(records), [r["question"] for r in records],
-                    model=str(model_dir), sources=tuple(model.sources), overwrite=True)
+    spool = out.with_name(f"{out.name}.shares")
+    keys, values = preferred_sources(model, records, cfg, spool)
+    if multihost.is_leader():
+        build_datastore(out, keys, values, entry_ids(records), [r["question"] for r in records],
+                        model=str(model_dir), sources=tuple(model.sources), overwrite=True)
+        shutil.rmtree(spool, ignore_errors=True)  # every process has read it (`shares.map_shared`)
     return out
 
 

@@ -36,6 +36,7 @@ from jaxrag.policies import router_inputs
 from jaxrag.policies import seakr as seakr_mod
 from jaxrag.policies import srrag as srrag_policies
 from jaxrag.retrieval.datastore import PolicyDatastore
+from jaxrag.runtime import multihost, shares
 
 # Fine-tuned models in the order they are decoded (one at a time, so a 7B run holds two models:
 # this one and the untuned base the seeds' selectors read): (model dir, policy datastore dir).
@@ -48,14 +49,17 @@ MODELS = {
 
 
 def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
+    """On every process: each decodes its share of every loop's batches (`shares.map_shared`,
+    spooled under `W/eval_parts/shares`), and process 0 writes the results."""
     val, test = eval_items(cfg, workdir)
-    ev = Evaluation(cfg, fit_selectors(cfg, workdir))
+    mapper = lambda fn, chunks, name: shares.map_shared(fn, chunks, workdir / PARTS / "shares", name)  # noqa: E731
+    ev = Evaluation(cfg, fit_selectors(cfg, workdir), mapper)
     use_val = ev.protocol == "validation"
     items, bs, rc = test + (val if use_val else []), ev.bs, route_config(cfg)
     r = retriever(cfg, workdir)
     n_passages = int(cfg.retrieval.n_passages)
     real_retrieve = lambda qs: r.retrieve_texts(qs, n_passages)  # noqa: E731 - latency runs call it for real
-    cached = harness.RetrievalCache(real_retrieve, harness.questions_of(items), bs)
+    cached = harness.RetrievalCache(real_retrieve, harness.questions_of(items), bs, mapper)
     idx = latency.latency_indices(test, int(cfg.eval.latency_questions))
     n_test = len(test)
 
@@ -68,26 +72,26 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
     done = resume(workdir, ev, val_scores)
     # The untuned model: always-RAG and GenRead on its own prompts (constant decisions).
     if "untuned" not in done:
-        untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs)
+        untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs, mapper)
         for m in (m for m in METHODS if m.model == "untuned"):
             d = ev.decide(m, untuned, None, None)[0]
             ev.add(m, untuned, d)
             source = WIKI if CONSTANT[m.rule] else SELF
             ev.measured(m, latency.untuned_route_items(ev.selectors.base, lat_items, source, real_retrieve, rc, bs,
-                                                       f"{m.name} latency"), untuned, d, idx)
+                                                       f"{m.name} latency", mapper=mapper), untuned, d, idx)
         save_part(workdir, "untuned", ev, val_scores)
     for key, (model_dir, store) in MODELS.items():
         if key in done:
             continue
         model = load(cfg, workdir / model_dir, inference=True)
-        t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths"))
+        t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths", mapper))
         nb = None if store is None else srrag_policies.datastore_neighbours(
             PolicyDatastore.load(workdir / store), int(cfg.inference.k))
         for m in (m for m in METHODS if m.model == key):
             d, policy = ev.decide(m, t_paths, v_paths, nb)
             ev.add(m, t_paths, d)
-            ev.measured(m, latency.route_items(model, lat_items, policy, real_retrieve, rc, bs, f"{m.name} latency"),
-                        t_paths, d, idx)
+            ev.measured(m, latency.route_items(model, lat_items, policy, real_retrieve, rc, bs, f"{m.name} latency",
+                                               mapper), t_paths, d, idx)
         if key in ("srrag", "selective") and val:
             inputs = router_inputs(model, harness.questions_of(val), rc.hidden_layer, bs)
             val_scores[key] = np.asarray(srrag_policies.srrag_policy(nb, 0.0)(inputs).score, np.float64)
@@ -135,6 +139,8 @@ UNITS = ("untuned", *MODELS)
 
 
 def save_part(workdir: Path, unit: str, ev: Evaluation, val_scores: dict) -> None:
+    if not multihost.is_leader():  # every process holds the same state; process 0 keeps it
+        return
     parts = workdir / PARTS
     parts.mkdir(exist_ok=True)
     state = {"results": ev.results, "thresholds": ev.thresholds, "correct": ev.correct, "decisions": ev.decisions,
@@ -204,7 +210,7 @@ def figure4_points(cfg, model, test: Paths, ev: Evaluation, neighbours, retrieve
     names = [test.items[i][0] for i in idx]
     chosen = idx[np.isin(names, ["pubhealth", "triviaqa"])] if {"pubhealth", "triviaqa"} & set(names) else idx
     return latency.figure4(model, [test.items[i] for i in chosen], val_score, neighbours, retrieve,
-                           route_config(cfg), ev.bs, int(cfg.eval.latency_sweep_points))
+                           route_config(cfg), ev.bs, int(cfg.eval.latency_sweep_points), ev.mapper)
 
 
 def matched_retrieval(srrag_val: np.ndarray, srrag_t: float, selective_val: np.ndarray, test: Paths,
@@ -240,6 +246,8 @@ def data_counts(test, val, train) -> dict[str, dict[str, int]]:
 
 def write_results(results: dict, workdir: Path) -> Path:
     out = workdir / "results.json"
+    if not multihost.is_leader():
+        return out
     tmp = out.with_name(".results.json.tmp")
     tmp.write_text(json.dumps(results, indent=1, default=float) + "\n")
     write_report(results, workdir)

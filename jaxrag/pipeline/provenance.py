@@ -82,7 +82,7 @@ STAGES: dict[str, Dep] = {
                      excludes=_TRAIN_EXCLUDES),
     "stage1": Dep(("seed", "model", "stage1"), ("base", "construct"), ("stage1",), excludes=_TRAIN_EXCLUDES),
     "stage2": Dep(("seed", "model", "stage2"), ("stage1", "construct"), ("stage2",), excludes=_TRAIN_EXCLUDES),
-    "datastore": Dep(("model",) + _ROUTE, ("stage2", "construct"), ("datastore",)),
+    "datastore": Dep(("model",) + _ROUTE, ("stage2", "construct"), ("datastore", "datastore.shares")),
     # IK / SeaKR / CCSK settings are read by eval only; any other baselines.* field is training's
     "baselines": Dep(("seed", "model", "stage1", "stage2", "baselines") + _ROUTE, ("base", "construct", "stage1"),
                      ("baselines",), excludes=("baselines.ik_answer_tokens", "baselines.seakr_samples",

@@ -28,7 +28,7 @@ from jaxrag.models.model import resolve_model_dir
 from jaxrag.pipeline import (base, baselines, construct, datastore, eval, export, finetune, index, lanes, provenance,
                              world)
 from jaxrag.pipeline.config_check import check_config
-from jaxrag.pipeline.workdir import is_embedded
+from jaxrag.pipeline.workdir import PLACEMENT, is_embedded
 from jaxrag.plan.fit import check_fit, fit_key
 
 
@@ -97,10 +97,12 @@ def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
 
 
 # Stages that run on process 0 alone in a multi-process run (the others wait at the barrier after
-# it): they run no program on the mesh (inference models are whole on each process's first device).
-# Every other stage runs on every process (training on the mesh of all processes' devices;
-# construct's shards split by process), and what is not a process's own shard, process 0 writes.
-LEADER_STAGES = ("world", "index", "datastore", "eval")
+# it): the world is generated once from its seed (no model), and the index encodes the corpus
+# into one ScaNN index written whole. Every other stage runs on every process: training on the
+# mesh of all processes' devices; generation (construct, the datastore, the baselines' datastores,
+# eval) on each process's own devices, each process its share of the questions; process 0
+# writes what is not a process's own shard.
+LEADER_STAGES = ("world", "index")
 
 
 def input_files(cfg: ConfigDict) -> dict[str, str]:
@@ -166,7 +168,10 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
             start = time.perf_counter()
             multihost.barrier(f"{name}:start")  # process 0 removed the stale outputs
             if leader or name not in LEADER_STAGES:
+                PLACEMENT.clear()
                 stage(cfg, workdir)
+                if leader and PLACEMENT:  # how the stage placed its generation model
+                    provenance.write_record(workdir, {**step.record, "placement": dict(PLACEMENT)})
             multihost.barrier(f"{name}:done")  # every process sees the stage's outputs whole
             host_memory.release()  # the stage's models and temporaries, before the next stage loads its own
             print(f"{head} finished in {time.perf_counter() - start:.0f}s", flush=True)

@@ -3,8 +3,11 @@ library objects at the config's settings (`W/world/datasets`, `W/<stage>/model`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+
+import jax
 
 from ml_collections import ConfigDict
 
@@ -13,6 +16,7 @@ from jaxrag.data.check import dataset_examples
 from jaxrag.data.mixture import mixture_split
 from jaxrag.data.schema import QAExample, read_examples
 from jaxrag.decode.routing import RouteConfig
+from jaxrag.decode.sampler import place_for_generation
 from jaxrag.models.lora import weights_dtype
 from jaxrag.models.model import load_model
 from jaxrag.retrieval.retriever import Retriever
@@ -48,12 +52,26 @@ def eval_items(cfg: ConfigDict, workdir: Path) -> tuple[list, list]:
             dataset_items(cfg, workdir, cfg.data.eval, "test"))
 
 
+# How the last model loaded for generation was placed (`sampler.place_for_generation`): the runner
+# records it with the stage that loaded it (`W/inputs/<stage>.json`, "placement").
+PLACEMENT: dict = {}
+
+
 def load(cfg: ConfigDict, path: Path, inference: bool = False):
     """A saved model at the config's dtypes; `inference=True`: LoRA merged and layers unstacked
-    once, for the stages that only generate and score (`models.model.for_inference`). The memory
-    of models dropped before this call goes back to the OS first."""
+    once, for the stages that only generate and score (`models.model.for_inference`), placed on
+    this process's devices as `generation` says (`sampler.place_for_generation`). The memory of
+    models dropped before this call goes back to the OS first."""
     host_memory.release()
-    return load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg), inference=inference)
+    model = load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg), inference=inference)
+    if not inference:
+        return model
+    decoder, where = place_for_generation(model.decoder, int(cfg.generation.tensor))
+    if where != PLACEMENT:
+        print(f"  generation: process {jax.process_index()} of {where['processes']}, {where['devices_per_process']} "
+              f"devices: data {where['data']} x tensor {where['tensor']}", flush=True)
+        PLACEMENT.update(where)
+    return dataclasses.replace(model, decoder=decoder)
 
 
 def retriever(cfg: ConfigDict, workdir: Path):
