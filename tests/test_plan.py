@@ -1,5 +1,7 @@
 """The paper configs fit 8 x 80 GB by XLA's memory analysis (`python -m jaxrag.plan`, 8 fake CPU
-devices in a subprocess), the fit report, and the attention path/mask choice.
+devices in a subprocess), generation planned as the run places it (one process's devices, the
+model split over `tensor` only as far as it must be), the fit report, and the attention path/mask
+choice.
 
 Compile budget (measured on a 2-core CPU): every program of Qwen2.5-7B ~80 s; the two train
 steps of Llama-2-7B and Phi-3.5-mini ~25 s each. So Qwen is planned whole (through the CLI) and
@@ -20,7 +22,8 @@ import pytest
 from jaxrag.models import decoder as decoder_mod
 from jaxrag.models import masks
 from jaxrag.models.decoder import attention_implementation
-from jaxrag.plan.fit import PLAN_XLA_FLAGS, Row, failures
+from jaxrag.plan.fit import (ACCELERATORS, DEVICES_PER_HOST, PLAN_XLA_FLAGS, Row, accelerator_of, devices_per_process,
+                             failures)
 
 REPO = Path(__file__).resolve().parents[1]
 USABLE_GB = 80 * 0.75  # JAX's default preallocation of an 80 GB device
@@ -40,6 +43,13 @@ def test_qwen_paper_config_every_program_fits_8x80gb(tmp_path):
                          "routed decoding: knowledge prefill", "routed decoding: decode step", "retriever encoder"}
     for r in rows.values():
         assert r["fits"] and 0 < r["peak_gb"] <= 0.9 * USABLE_GB, r
+    # Generation on the one host's 8 devices: the float32 inference weights (30.5 GB) exceed half
+    # of the 54 GB usable, so split in two, the other factor of 8 on data; training stays FSDP.
+    assert plan["generation"] == dict(processes=1, devices_per_process=8, data=4, tensor=2,
+                                      weight_gb=pytest.approx(30.5, abs=0.1))
+    assert rows["routed decoding: decode step"]["mesh"] == dict(data=4, fsdp=1, tensor=2)
+    assert rows["stage1 step"]["mesh"] == dict(data=1, fsdp=8, tensor=1)
+    assert rows["construct generation: decode step"]["peak_gb"] > 30.5 / 2  # its half of the weights
     # f32 master weights + Adam moments alone are 16 bytes x 7.6B params / 8 devices = 15 GB.
     assert rows["stage1 step"]["peak_gb"] > 15
     # Stage 2 runs chosen + rejected rows: twice stage 1's tokens and FLOPs.
@@ -293,3 +303,94 @@ def test_calls_follow_the_configs_training_mixture():
     assert programs["stage1 step"].calls == int(cfg.stage1.epochs) * math.ceil(60 / int(cfg.stage1.batch_size)) == 1
     gen = math.ceil(60 * int(cfg.construct.n_contexts) / int(cfg.construct.generate_batch_size))
     assert programs["construct generation: decode step"].calls == gen * int(cfg.construct.verbalize_max_tokens)
+
+
+def test_the_v4_and_the_devices_per_host_of_each_accelerator():
+    assert ACCELERATORS["v4"] == (275e12, 1.2e12, 32.0)  # Google's bf16 peak, HBM bandwidth and size per chip
+    assert DEVICES_PER_HOST == {"h100": 8, "a100": 8, "v4": 4, "v5e": 4, "v5p": 4}
+    from types import SimpleNamespace
+    kinds = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "NVIDIA A100-SXM4-80GB": "a100",
+             "NVIDIA H100 80GB HBM3": "h100"}
+    assert {k: accelerator_of(SimpleNamespace(device_kind=k)) for k in kinds} == kinds
+    assert devices_per_process(16, 4) == 4 and devices_per_process(4, 8) == 4 and devices_per_process(1, 8) == 1
+    from jaxrag.errors import JaxragError
+    with pytest.raises(JaxragError, match="not a whole number of hosts of 8 devices"):
+        devices_per_process(12, 8)
+
+
+GENERATION_SCRIPT = """
+import json, sys
+import jax
+from jaxrag import sharding
+from jaxrag.pipeline.config import paper_config
+from jaxrag.plan import fit
+from jaxrag.plan.programs import pipeline_programs
+
+def config(tensor):
+    cfg = paper_config("qwen2")
+    cfg.model.path, cfg.model.max_length, cfg.generation.tensor = sys.argv[1], 64, tensor
+    return cfg
+
+def say(**kw):
+    print("out", json.dumps(kw), flush=True)
+
+devices, decode = fit.plan_devices(4), ("routed decoding: decode step",)
+mesh = sharding.make_mesh(config(0).mesh, devices)
+for tensor in (1, 2):  # the routed decode step compiled on one process's 4 devices at each split
+    gen = fit.generation_placement(config(tensor), devices, 1, 0)
+    p = {p.name: p for p in pipeline_programs(config(tensor), mesh, gen.mesh)}[decode[0]]
+    compiled = p.lower().compile()
+    head = compiled.input_shardings[0][0]["lm_head"]
+    say(tensor=tensor, mesh=dict(p.mesh.shape), args=compiled.memory_analysis().argument_size_in_bytes,
+        head=head.shard_shape((64, 151680)), weights=gen.weight_gb)
+# 0.15 GB per v4 "chip": 0.10 GB usable, the 0.078 GB model split in two (its half <= 50%)
+rows = fit.measure(config(0), devices, "v4", 0.15 * 0.75, 0.1, 0.5, log=lambda *_: None, only=decode, stand_in=True)
+say(split=rows[0].mesh, fits=rows[0].fits)
+rows = fit.measure(config(1), devices, "v4", 0.10 * 0.75, 0.1, 0.5, log=lambda *_: None, only=decode, stand_in=True)
+say(whole=rows[0].mesh, failures=fit.failures(rows, 0.10 * 0.75, 0.1, 4))
+# two processes of 2 devices share the calls: half the hours of one
+one, two = (fit.measure(config(0), devices, "v4", 60.0, 0.1, 0.5, log=lambda *_: None,
+                        only=("construct generation: decode step",),
+                        generation=fit.generation_placement(config(0), devices[:2], n, 0))[0] for n in (1, 2))
+say(hours=[one.hours, two.hours])
+# the pipeline's preflight (CPU: host memory, the model whole) on this process's own devices
+real, seen = fit.measure, {}
+def only_decode(*args, **kw):
+    gen_mesh = kw["generation"].mesh
+    seen.update(mesh=dict(gen_mesh.shape), local=list(gen_mesh.devices.flat) == jax.local_devices())
+    return real(*args, **kw, only=decode)
+fit.measure, fit.host_memory_gb = only_decode, lambda: 0.075
+try:
+    fit.check_fit(config(0))
+except Exception as e:
+    seen["refused"] = str(e)
+say(**seen)
+"""
+
+
+def test_generation_is_planned_on_one_process_devices_split_as_far_as_it_must(tiny_hf):
+    """The routed decode step of a 78 MB (float32) model on 4 fake devices of one process: split
+    over `tensor` 2, each device holds half the weights (the head split by vocab), the other
+    factor of 2 on data; little memory picks that split, less refuses with the setting to change
+    (`--config.generation.tensor=2`), in the plan and in the pipeline's preflight."""
+    _, hf_dir, _ = tiny_hf("qwen2")
+    env = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 " + PLAN_XLA_FLAGS}
+    proc = subprocess.run([sys.executable, "-c", GENERATION_SCRIPT, str(hf_dir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("out ")]
+    whole, split, chosen, refused, hours, preflight = out
+    assert whole["mesh"] == dict(data=4, fsdp=1, tensor=1) and whole["head"] == [64, 151680]
+    assert split["mesh"] == dict(data=2, fsdp=1, tensor=2) and split["head"] == [64, 151680 // 2]
+    assert 0.45 < split["args"] / whole["args"] < 0.6, (split, whole)  # weights and KV cache halved
+    assert whole["args"] > whole["weights"] * 1e9
+    assert chosen == dict(split=dict(data=2, fsdp=1, tensor=2), fits=True)
+    assert refused["whole"] == dict(data=4, fsdp=1, tensor=1)
+    assert len(refused["failures"]) == 1 and refused["failures"][0].startswith(
+        "routed decoding: decode step: "), refused
+    assert "(data 4 x tensor 1) > 0.1 GB usable; try --config.generation.tensor=2, --config.inference.batch_size=" \
+        in refused["failures"][0] and "--devices" not in refused["failures"][0]
+    assert hours["hours"][1] == pytest.approx(hours["hours"][0] / 2)
+    assert preflight["mesh"] == dict(data=4, fsdp=1, tensor=1) and preflight["local"]
+    assert "would run out of host memory (jaxrag.plan):\n  routed decoding: decode step: " in preflight["refused"]
+    assert "try --config.generation.tensor=2" in preflight["refused"]

@@ -13,10 +13,14 @@ Shapes (the planner's stated assumptions where the data decides them):
   likelihood scoring of `score_batch_size` rows of question + one context + answer.
 - routed decoding: `inference.batch_size` rows (padded as the router does), a cache for prompt,
   verbalization, knowledge and answer; the prefill appends the knowledge chunk.
-- generation programs (construct's and routing's) read the model as inference loads it
-  (`for_inference`: LoRA merged into the base, each layer's weights in buffers of their own) and
-  take their decode state donated, as the sampler does.
-- calls per run (for the estimated hours): over the config's training mixture (`train_questions`).
+- generation programs (construct's generation and likelihood scoring, routed decoding) read the
+  model as inference loads it (`for_inference`: LoRA merged into the base, each layer's weights
+  in buffers of their own), placed as the run places it: on one process's devices
+  (`sharding.generation_mesh`), the weights by `param_shardings`, rows over `data`, the KV cache
+  by `cache_sharding`; batch sizes are per process. Decode programs take their state donated, as
+  the sampler does.
+- calls per run (for the estimated hours): over the config's training mixture (`train_questions`);
+  a generation program's calls are shared by the processes.
 - retriever encoder: the config's `retrieval.encoder` (its config.json, where it is on this machine;
   else BERT-base, the DPR question encoder's shape), 64 rows x its maximum length (DPR: 256 tokens).
 """
@@ -37,7 +41,7 @@ from jaxrag import sharding
 from jaxrag.decode import sampler
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
-from jaxrag.models.decoder import Decoder, DecoderConfig, LayerCache, init_cache, unstack_layers
+from jaxrag.models.decoder import Decoder, DecoderConfig, init_cache, unstack_layers
 from jaxrag.models.encoder import BertConfig, BertEncoder, pool
 from jaxrag.models.encoder_io import encoder_config, max_length_of, resolve_encoder
 from jaxrag.models.families import FAMILIES
@@ -68,6 +72,8 @@ class Program:
     calls: int  # per pipeline run (0 = per request, not estimated)
     read_bytes: float  # bytes one device reads per call: parameters, and a decode step's KV cache
     fixes: tuple[str, ...]  # settings that shrink it, for the "does not fit" line
+    mesh: jax.sharding.Mesh  # what one call runs on
+    per_process: bool = False  # generation: every process runs its own calls, `calls` shared by them
     # XLA-CPU has no bf16 matmul: it multiplies a float32 copy of each bf16 weight, and with the
     # generation programs' layers unrolled every layer's copy is live at once (26 GB for a 7B
     # model). An accelerator multiplies bf16 natively; compiled for fake CPU devices standing in
@@ -118,8 +124,9 @@ def train_questions(cfg) -> int:
     return sum(int(cfg.data.train_sizes[name]) for name in cfg.data.train)
 
 
-def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
-    """Every decoder program of the pipeline for config `cfg` on `mesh`."""
+def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh, gen_mesh=None) -> list[Program]:
+    """Every decoder program of the pipeline for config `cfg`: training's on `mesh`, generation's
+    on `gen_mesh` (one process's generation mesh; default `mesh`)."""
     decoder = nnx.eval_shape(lambda: Decoder(dec_cfg, nnx.Rngs(0)))
     graphdef, _ = nnx.split(decoder)
     params_sh = sharding.param_shardings(mesh, decoder)
@@ -164,24 +171,62 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
         steps = int(section.epochs) * math.ceil(questions / spec.batch_size)
         programs.append(Program(f"{name} step", step, (_abstract(abstract, shardings), batch, abstract_frozen),
                                 train_flops(dec_cfg, rows, length, scored, remat), rows * length, steps,
-                                param_bytes, tuple(fixes)))
+                                param_bytes, tuple(fixes), mesh))
         if pairs:  # the frozen stage-1 model's log p(c_i+|q), log p(c_i-|q), one micro-batch at a time
             mrows = spec.batch_size // accum
             ref = jax.jit(lambda p, b: losses.verbalization_logprobs(trainer.forward_fn(graphdef, p), b),
                           out_shardings=sharding.replicated(mesh))
             programs.append(Program("DPO reference scoring", ref, (abstract_params, stage_batch(mrows, True)),
                                     forward_flops(dec_cfg, 2 * mrows, length, length, scored), 2 * mrows * length,
-                                    math.ceil(questions / mrows), param_bytes, tuple(fixes[:1])))
+                                    math.ceil(questions / mrows), param_bytes, tuple(fixes[:1]), mesh))
+    return programs + generation_programs(cfg, dec_cfg, gen_mesh or mesh, questions)
 
-    # Generation's model: adapters merged into the base (in its dtype), layers unstacked.
+
+def inference_model(dec_cfg: DecoderConfig) -> tuple[DecoderConfig, Decoder]:
+    """The model as generation loads it (`models.model.for_inference`), abstract: adapters merged
+    into the base (in its dtype), layers unstacked."""
     inf_cfg = dataclasses.replace(dec_cfg, lora_rank=0, lora_alpha=0.0, lora_targets=())
-    inf_decoder = nnx.eval_shape(lambda: unstack_layers(Decoder(inf_cfg, nnx.Rngs(0))))
+    return inf_cfg, nnx.eval_shape(lambda: unstack_layers(Decoder(inf_cfg, nnx.Rngs(0))))
+
+
+def inference_weight_bytes(dec_cfg: DecoderConfig) -> int:
+    """Bytes of the inference model's weights, whole (what `generation_tensor` splits)."""
+    _, model = inference_model(dec_cfg)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model))))
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of abstract arrays with shardings (its shard of each)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def kv_cache_sharding(mesh, shape: tuple[int, ...], rows: int, kv_heads: int):
+    """A KV-cache buffer of `rows` rows placed as the sampler places it: `sharding.cache_sharding`
+    (rows over the batch axes, heads over `tensor`); a buffer with rows and heads on one axis
+    [rows * kv_heads, slots, head_dim] is split along it over both (the same bytes per device)."""
+    if len(shape) != 3 or shape[0] != rows * kv_heads:
+        return sharding.cache_sharding(mesh, shape)
+    axes = (*sharding.BATCH_AXES, "tensor")
+    if shape[0] % math.prod(mesh.shape[a] for a in axes):
+        axes = sharding.BATCH_AXES
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
+
+
+def generation_programs(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> list[Program]:
+    """Construct's generation and likelihood scoring and routed decoding, each on `mesh` (one
+    process's generation mesh) at the config's per-process batch sizes; `calls` over all processes."""
+    inf_cfg, inf_decoder = inference_model(dec_cfg)
     inf_graphdef, inf_state = nnx.split(inf_decoder)
     inf_params = _abstract(nnx.to_pure_dict(inf_state), sharding.param_shardings(mesh, inf_decoder))
-    inf_param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(inf_params)) / mesh.size
-    upcast = [sum(4 * x.size for x in jax.tree.leaves(layer) if x.ndim >= 2 and x.dtype == jnp.bfloat16)
-              for layer in inf_params["layers"].values()]
-    upcast_bytes = (sum(upcast) - max(upcast)) / mesh.size
+    inf_param_bytes = device_bytes(inf_params)
+    # XLA-CPU's float32 copies of each layer's bf16 weights, beyond one layer's (`Program.cpu_upcast_bytes`)
+    upcast = [4 * sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(layer)
+                      if x.ndim >= 2 and x.dtype == jnp.bfloat16) for layer in inf_params["layers"].values()]
+    upcast_bytes = sum(upcast) - max(upcast)
+    tensor, per_process = mesh.shape["tensor"], mesh.size
+    split = (f"--config.generation.tensor={2 * tensor}",) if per_process % (2 * tensor) == 0 else ()
+    i32, f32 = jnp.int32, jnp.float32
+    programs = []
 
     def extend_program(name, rows, chunk, slots, calls, fixes, hidden_layer=None):
         dtype = jnp.dtype(dec_cfg.dtype)
@@ -190,9 +235,9 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
             init_cache(inf_cfg, rows, slots, dtype), jnp.zeros((rows, slots), bool), jnp.zeros((rows,), i32),
             jnp.zeros((), i32), jnp.zeros((rows, dec_cfg.padded_vocab_size), f32)))
         bs, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-        layer_sh = LayerCache(bs, bs)  # [rows * kv_heads, slots, head_dim]: split over rows
-        state_sh = sampler.DecodeState(tuple(layer_sh for _ in state.cache), bs, bs, rep, bs)
-        abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, state_sh)
+        cache_sh = jax.tree.map(lambda x: kv_cache_sharding(mesh, x.shape, rows, inf_cfg.num_kv_heads), state.cache)
+        state_sh = sampler.DecodeState(cache_sh, bs, bs, rep, bs)
+        abstract_state = _abstract(state, state_sh)
         inputs = _batch(mesh, ids=((rows, chunk), i32), mask=((rows, chunk), bool))
 
         def run(p, st, ids, mask):
@@ -200,10 +245,10 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
             return new, hidden, sampler.sample_tokens(new.logits, jax.random.key(0), sampler.SamplingParams())
 
         fn = jax.jit(run, out_shardings=(state_sh, None, bs), donate_argnums=1)
-        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache)) / dp  # batch-sharded
         programs.append(Program(name, fn, (inf_params, abstract_state, inputs["ids"], inputs["mask"]),
                                 forward_flops(dec_cfg, rows, chunk, slots, 1), rows * chunk, calls,
-                                inf_param_bytes + cache_bytes, fixes, upcast_bytes))
+                                inf_param_bytes + device_bytes(abstract_state.cache), split + fixes, mesh, True,
+                                upcast_bytes))
 
     c, inf = cfg.construct, cfg.inference
     verbal = int(c.verbalize_max_tokens)
@@ -220,12 +265,15 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh) -> list[Program]:
     score_len = bucket(128 + max(verbal, 192) + int(inf.max_answer_tokens) + 32)
     answer = min(score_len, bucket(int(inf.max_answer_tokens)))
     score_calls = math.ceil(questions * 2 * int(c.n_contexts) / score_rows)
-    fn = jax.jit(lambda p, ids, mask, at: losses.target_logprobs(
-        nnx.merge(graphdef, p)(ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
-    b = _batch(mesh, ids=((score_rows, score_len), i32), mask=((score_rows, score_len), bool), at=((score_rows, answer), i32))
-    programs.append(Program("construct likelihood scoring", fn, (abstract_params, b["ids"], b["mask"], b["at"]),
+    fn = jax.jit(lambda p, ids, mask, at: losses.target_logprobs(nnx.merge(inf_graphdef, p)(
+        ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
+    b = _batch(mesh, ids=((score_rows, score_len), i32), mask=((score_rows, score_len), bool),
+               at=((score_rows, answer), i32))
+    programs.append(Program("construct likelihood scoring", fn, (inf_params, b["ids"], b["mask"], b["at"]),
                             forward_flops(dec_cfg, score_rows, score_len, score_len, answer), score_rows * score_len,
-                            score_calls, param_bytes, (f"--config.construct.score_batch_size={max(1, score_rows // 2)}",)))
+                            score_calls, inf_param_bytes,
+                            split + (f"--config.construct.score_batch_size={max(1, score_rows // 2)}",), mesh, True,
+                            upcast_bytes))
     route_rows = sampler.batch_rows(int(inf.batch_size), mesh, int(inf.batch_size))  # as the eval's loops
     knowledge = bucket(int(inf.max_knowledge_tokens) + 8)
     route_slots = 128 + 1 + bucket(verbal) + knowledge + bucket(int(inf.max_answer_tokens))
@@ -262,12 +310,13 @@ def encoder_program(cfg, mesh, rows: int = 64) -> Program:
     flops = 2 * arch.num_layers * (4 * e * e + 2 * e * f) * rows * length + 4 * arch.num_layers * e * rows * length**2
     n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
     return Program("retriever encoder", fn, (abstract, b["ids"], b["mask"]), flops, rows * length, 0,
-                   n_bytes, ())
+                   n_bytes, (), mesh)
 
 
-def pipeline_programs(cfg, mesh) -> list[Program]:
-    """Every heavy program of the pipeline for config `cfg` on `mesh`, in `PROGRAMS` order."""
-    return decoder_programs(cfg, plan_decoder_config(cfg), mesh) + [encoder_program(cfg, mesh)]
+def pipeline_programs(cfg, mesh, gen_mesh=None) -> list[Program]:
+    """Every heavy program of the pipeline for config `cfg`, in `PROGRAMS` order: training's on
+    `mesh`, generation's on `gen_mesh` (default `mesh`)."""
+    return decoder_programs(cfg, plan_decoder_config(cfg), mesh, gen_mesh) + [encoder_program(cfg, mesh)]
 
 
 def plan_decoder_config(cfg) -> DecoderConfig:
