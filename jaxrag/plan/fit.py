@@ -210,19 +210,21 @@ def check_fit(cfg) -> None:
     allocator limit. CPU: against host memory, at the dtypes the CPU runs (`auto` = float32)."""
     import jax  # not on import: see `measure`
 
+    from jaxrag import sharding
+
     devices = jax.devices()
     if jax.default_backend() == "cpu":
         cfg = ConfigDict(cfg.to_dict())
         for field in ("dtype", "base_dtype"):
             if cfg.model.get(field) == "auto":
                 cfg.model[field] = "float32"
-        usable, where, split_bytes = host_memory_gb(), "host memory", 0.0
+        usable, where = host_memory_gb(), "host memory"
     else:
         usable, where = device_memory_gb(), "device memory"
         if not usable:
             return
-        split_bytes = usable * (1 - DEFAULT_HEADROOM) * 1e9
-    generation = generation_placement(cfg, jax.local_devices(), jax.process_count(), split_bytes)
+    # the split `sampler.place_for_generation` will choose: the same bytes per device (0 on CPU)
+    generation = generation_placement(cfg, jax.local_devices(), jax.process_count(), sharding.usable_device_bytes())
     rows = measure(cfg, devices, accelerator_of(devices[0]), usable, DEFAULT_HEADROOM, DEFAULT_MFU, log=lambda *_: None,
                    generation=generation)
     if bad := failures(rows, usable, DEFAULT_HEADROOM, len(devices)):

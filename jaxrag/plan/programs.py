@@ -190,9 +190,10 @@ def inference_model(dec_cfg: DecoderConfig) -> tuple[DecoderConfig, Decoder]:
 
 
 def inference_weight_bytes(dec_cfg: DecoderConfig) -> int:
-    """Bytes of the inference model's weights, whole (what `generation_tensor` splits)."""
+    """Bytes of the inference model's weights, whole (what `generation_tensor` splits), counted
+    as `sampler.place_for_generation` counts them."""
     _, model = inference_model(dec_cfg)
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model))))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def device_bytes(tree) -> int:
