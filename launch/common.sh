@@ -2,7 +2,7 @@
 # Sourced by the launchers: the options they share, quoting and --dry-run.
 # Kept to bash 3.2 (macOS) since tpu_vm.sh usually runs on a laptop.
 
-CONFIG="" WORKDIR="" DRY_RUN=0
+CONFIG="" WORKDIR="" DRY_RUN=0 CHECK=0
 PASSTHROUGH=()  # --config.* overrides and everything after `--`, given to jaxrag.train verbatim
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -17,6 +17,7 @@ common_option() {
     --config) CONFIG=$(value "$@") ;;
     --workdir) WORKDIR=$(value "$@") ;;
     --dry-run) DRY_RUN=1 SHIFT=1 ;;
+    --check) CHECK=1 SHIFT=1 ;;
     --config.*)  # `--config.a.b=v`, or `--config.a.b v` when the next word is not a flag
       if [[ $1 == *=* || $# -lt 2 || $2 == --* ]]; then PASSTHROUGH+=("$1") SHIFT=1
       else PASSTHROUGH+=("$1" "$2"); fi ;;
@@ -29,9 +30,22 @@ require() {  # require NAME VALUE...: one error line per run, for the first miss
   while [[ $# -ge 2 ]]; do [[ -n $2 ]] || die "$1 is required (try --help)"; shift 2; done
 }
 
-# The jaxrag.train arguments, shell-quoted for embedding in a remote command.
-train_args() {
-  quote --config "$CONFIG" --workdir "$WORKDIR" ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
+# --workdir always; --config unless --check (which runs no config).
+require_program() {
+  if ((CHECK)); then require --workdir "$WORKDIR"; else require --config "$CONFIG" --workdir "$WORKDIR"; fi
+}
+
+# What every process runs after the interpreter: `-m jaxrag.train ...`, or with --check
+# `-m jaxrag.runtime.multihost --workdir DIR` (joins every process, runs the start checks, a barrier
+# and an allgather, then exits: the launch and the shared workdir tested in seconds).
+program_args() {
+  if ((CHECK)); then PROGRAM=(-m jaxrag.runtime.multihost --workdir "$WORKDIR")
+  else PROGRAM=(-m jaxrag.train --config "$CONFIG" --workdir "$WORKDIR" ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}); fi
+}
+
+# The coordinator's port P: the run's watchdogs listen at P + 1, so P is at most 65534.
+check_port() {
+  [[ $1 =~ ^[1-9][0-9]*$ && $1 -le 65534 ]] || die "--port must be 1..65534 (the watchdogs use the port above it)"
 }
 
 # Prints its arguments as one shell command that pastes back to the same words:
@@ -51,6 +65,7 @@ process_env() {  # process_env COORDINATOR N I
   printf '%s\n' "JAX_COORDINATOR_ADDRESS=$1" "JAX_NUM_PROCESSES=$2" "JAX_PROCESS_ID=$3"
 }
 
+PROGRAM=()
 # Runs a command, or with --dry-run only prints it; so a dry run shows exactly what would run.
 run() {
   if ((DRY_RUN)); then quote "$@"; return; fi

@@ -7,11 +7,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 usage() {
   cat <<'EOF'
 usage: launch/gpu_single.sh --config FILE[:ARG] --workdir DIR [--gpus IDS] [--python PY]
-                            [--dry-run] [--config.KEY=VALUE ...] [-- JAXRAG_TRAIN_FLAGS ...]
+                            [--check] [--dry-run] [--config.KEY=VALUE ...] [-- JAXRAG_TRAIN_FLAGS ...]
 
-Runs `PY -m jaxrag.train --config FILE --workdir DIR ...` on this host with all local GPUs.
+Runs `PY -m jaxrag.train --config FILE --workdir DIR ...` on this host with all local GPUs, as one
+process (JAXRAG_DISTRIBUTED=0: inside an sbatch of several tasks too).
   --gpus IDS     restrict to these GPUs (sets CUDA_VISIBLE_DEVICES, e.g. 0,1); default: all
   --python PY    Python with jaxrag installed (default: python)
+  --check        run `PY -m jaxrag.runtime.multihost --workdir DIR` (the start checks) instead
   --dry-run      print the command instead of running it
 --config.* flags and everything after `--` are passed to jaxrag.train verbatim.
 EOF
@@ -27,9 +29,12 @@ while [[ $# -gt 0 ]]; do
     *) common_option "$@"; shift "$SHIFT" ;;
   esac
 done
-require --config "$CONFIG" --workdir "$WORKDIR"
+require_program
+program_args
 
 # `env VAR=...` rather than an assignment prefix so the printed command is the executed one.
-cmd=("$PYTHON" -m jaxrag.train --config "$CONFIG" --workdir "$WORKDIR" ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"})
-if [[ -n $GPUS ]]; then cmd=(env "CUDA_VISIBLE_DEVICES=$GPUS" "${cmd[@]}"); fi
-run "${cmd[@]}"
+# JAXRAG_DISTRIBUTED=0: one process, even where the environment (an sbatch's SLURM_NTASKS > 1)
+# would have it join a multi-host run and wait for peers that never come.
+cmd=(env JAXRAG_DISTRIBUTED=0)
+if [[ -n $GPUS ]]; then cmd+=("CUDA_VISIBLE_DEVICES=$GPUS"); fi
+run "${cmd[@]}" "$PYTHON" "${PROGRAM[@]}"

@@ -9,16 +9,18 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 usage() {
   cat <<'EOF'
 usage: launch/local.sh --processes N --devices-per-process M --config FILE[:ARG] --workdir DIR
-           [--port P] [--logs DIR] [--python PY] [--dry-run] [--config.KEY=VALUE ...] [-- FLAGS ...]
+           [--port P] [--logs DIR] [--python PY] [--check] [--dry-run] [--config.KEY=VALUE ...] [-- FLAGS ...]
 
 Starts N processes of `PY -m jaxrag.train --config FILE --workdir DIR ...` on this machine, each
 with M CPU devices, joined as one job of N x M devices (process 0 is the coordinator, at
 127.0.0.1:P). They share DIR, as the hosts of a pod share a mounted bucket.
   --processes N            processes (default 2)
   --devices-per-process M  CPU devices per process (default 1)
-  --port P                 the coordinator's port (default 8476)
+  --port P                 the coordinator's port (default 8476; the watchdogs use P + 1)
   --logs DIR               process I appends to DIR/process-I.log (default: logs/ in the workdir)
   --python PY              Python with jaxrag installed (default: python)
+  --check                  run `PY -m jaxrag.runtime.multihost --workdir DIR` (join, the start
+                           checks, a barrier and an allgather) instead of jaxrag.train
   --dry-run                print one command per process instead of running them
 The exit status is the worst of the processes'. --config.* flags and everything after `--` are
 passed to jaxrag.train verbatim.
@@ -38,12 +40,14 @@ while [[ $# -gt 0 ]]; do
     *) common_option "$@"; shift "$SHIFT" ;;
   esac
 done
-require --config "$CONFIG" --workdir "$WORKDIR"
-[[ $PROCESSES =~ ^[1-9][0-9]*$ && $DEVICES =~ ^[1-9][0-9]*$ && $PORT =~ ^[1-9][0-9]*$ ]] \
-  || die "--processes, --devices-per-process and --port must be positive integers"
+require_program
+[[ $PROCESSES =~ ^[1-9][0-9]*$ && $DEVICES =~ ^[1-9][0-9]*$ ]] \
+  || die "--processes and --devices-per-process must be positive integers"
+check_port "$PORT"
 LOGS=${LOGS:-$WORKDIR/logs}
 
-train=("$PYTHON" -m jaxrag.train --config "$CONFIG" --workdir "$WORKDIR" ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"})
+program_args
+train=("$PYTHON" "${PROGRAM[@]}")
 # (jaxrag.train raises XLA's CPU collective timeouts itself: jaxrag.pipeline.cli.patient_cpu_collectives)
 xla_flags="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$DEVICES"
 

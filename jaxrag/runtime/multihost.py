@@ -13,18 +13,29 @@ of JAX's runtime (`jax.distributed`) the pipeline adds:
   threads, and JAX's own heartbeat timeout (100 s) aborts with a stack trace.
 - `report_failure`: a process that fails tells its watchdog before it exits, so its peers name
   its error instead of waiting for its silence.
+- `agree_on_plan`: every process plans the same stages (each decides from its own view of the
+  workdir what is done; a shared filesystem's caches can make the views differ).
 - `barrier`: every process reaches a point before any goes on (before and after each stage).
+- `join`: `jax.distributed.initialize` within a start-up timeout (`JAXRAG_STARTUP_TIMEOUT`, default
+  300 s), a process that cannot join stopping with one line.
 
-In a single-process run every function here is a no-op.
+In a single-process run every function here is a no-op, but the workdir's rename probe
+(`check_renames`). `python -m jaxrag.runtime.multihost --workdir DIR` (the launchers' `--check`)
+runs the start of a run without the pipeline: join, agree, a barrier and an allgather.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import importlib.metadata
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,7 +43,11 @@ import jax
 
 from jaxrag.errors import FAILURE_HOOKS, JaxragError
 
-SILENCE_S = 20.0  # a peer whose heartbeat stalls this long is lost (JAX's own timeout is 100 s)
+# A peer whose heartbeat stalls this long is lost: JAX's own default, so that a network blip JAX
+# rides out does not stop a run; JAX's heartbeat is given longer (`join`), so that this line comes first.
+SILENCE_S = 100.0
+STARTUP_TIMEOUT_S = 300  # default of JAXRAG_STARTUP_TIMEOUT: joining, and the checks at start
+PACKAGES = ("jax", "jaxlib", "flax", "orbax-checkpoint")  # compared at start, with jaxrag's source
 BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000  # a barrier outwaits any stage: a lost peer is the watchdog's
 _PREFIX = "jaxrag"
 _watchdog: dict[str, subprocess.Popen] = {}
@@ -47,10 +62,75 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
+def startup_timeout(env=os.environ) -> int:
+    """Seconds every process has to join the run and pass the start checks (JAXRAG_STARTUP_TIMEOUT)."""
+    value = env.get("JAXRAG_STARTUP_TIMEOUT", str(STARTUP_TIMEOUT_S))
+    if not value.isdigit() or int(value) < 1:
+        raise JaxragError(f"JAXRAG_STARTUP_TIMEOUT={value!r}: must be a whole number of seconds "
+                          f"(default {STARTUP_TIMEOUT_S})")
+    return int(value)
+
+
+def check_port(address: str, variable: str = "JAX_COORDINATOR_ADDRESS") -> None:
+    """The coordinator's port P: its watchdogs' hub listens at P + 1, so P must be below 65535."""
+    _, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65535:
+        raise JaxragError(f"{variable}={address}: the port must be 1..65534 (the run's watchdogs listen "
+                          "one port above it); pick another port")
+
+
+def join(address: str | None, processes: int | None, process: int | None, env=os.environ) -> None:
+    """`jax.distributed.initialize`, or one line and exit status 2 when this process cannot join
+    within `startup_timeout()`: JAX would wait its own 300 s, then abort with a C++ stack dump.
+    A timer thread watches the join (JAX's connect releases the GIL); JAX's own timeouts are set
+    beyond ours (its heartbeat also beyond the watchdog's `SILENCE_S`), so our line comes first."""
+    timeout = startup_timeout(env)
+    if address:
+        check_port(address)
+    who = "process" if process is None else f"process {process} of {processes}"
+
+    def give_up():
+        where = address or "the address JAX found"
+        up = _reachable(address) if address else False
+        why = ("its coordinator is up but not every process joined: a host did not start the command, or "
+               "failed or was killed at start" if up else "the coordinator (process 0) is not listening there: "
+               "it did not start, died, or the address or port is unreachable from this host")
+        print(f"\nerror: {who} could not join the run at {where} within {timeout} s (JAXRAG_STARTUP_TIMEOUT): "
+              f"{why}; see every host's log, then relaunch the same command on every host", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(coordinator_address=address, num_processes=processes, process_id=process,
+                                   initialization_timeout=timeout + 60,
+                                   heartbeat_timeout_seconds=int(max(2 * SILENCE_S, timeout + 60)))
+    except (ValueError, TypeError, RuntimeError) as e:  # no cluster found, bad values: before any wait
+        raise JaxragError(f"{who} could not start jax.distributed ({e}): set JAX_COORDINATOR_ADDRESS, "
+                          "JAX_NUM_PROCESSES and JAX_PROCESS_ID (launch/gpu_multihost.sh env prints them)") from None
+    finally:
+        timer.cancel()
+
+
+def _reachable(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=3):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _client():
     from jax._src import distributed  # the coordinator's key-value store: no public API holds it
 
-    return distributed.global_state
+    state = distributed.global_state
+    if state.client is None:  # several processes, but no jax.distributed: a pod started without it
+        raise JaxragError(f"this is process {jax.process_index()} of {jax.process_count()}, but jax.distributed "
+                          "was not started, so the processes cannot agree or wait for each other: set "
+                          "JAXRAG_DISTRIBUTED=1 on every worker (launch/tpu_vm.sh does) and relaunch")
+    return state
 
 
 def barrier(name: str) -> None:
@@ -85,11 +165,14 @@ def start_watchdog() -> None:
     host, one port above the coordinator's."""
     if not is_multiprocess() or "child" in _watchdog:
         return
-    host, port = _client().coordinator_address.rsplit(":", 1)
+    address = _client().coordinator_address
+    check_port(address, "the coordinator address")
+    host, port = address.rsplit(":", 1)
     _watchdog["child"] = subprocess.Popen(
         [sys.executable, "-m", "jaxrag.runtime.watchdog", "--process", str(jax.process_index()),
          "--processes", str(jax.process_count()), "--parent", str(os.getpid()), "--host", host,
-         "--port", str(int(port) + 1), "--silence", str(SILENCE_S)],
+         "--port", str(int(port) + 1), "--silence", str(SILENCE_S),
+         "--join", str(startup_timeout())],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     FAILURE_HOOKS.append(report_failure)
 
@@ -122,47 +205,184 @@ def file_digest(path: Path, whole_below: int = 256 << 20) -> str:
     return h.hexdigest()
 
 
+def _stop(message: str) -> None:
+    """One line and exit status 2, now: a peer is gone, and JAX's exit would wait for it."""
+    print(f"\nerror: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def _get(client, key: str, what: str) -> str:
+    timeout = startup_timeout()
+    try:
+        return client.blocking_key_value_get(key, timeout * 1000)
+    except Exception:  # JAX's timeout, or the coordinator gone
+        _stop(f"process {jax.process_index()} of {jax.process_count()} waited {timeout} s "
+              f"(JAXRAG_STARTUP_TIMEOUT) for {what}: that process stopped or hangs at start; see its log, "
+              "then relaunch the same command on every host")
+
+
+def _wait(client, name: str) -> None:
+    timeout = startup_timeout()
+    try:
+        client.wait_at_barrier(f"{_PREFIX}/{name}", timeout * 1000)
+    except Exception:
+        _stop(f"process {jax.process_index()} of {jax.process_count()}: not every process reached '{name}' within "
+              f"{timeout} s (JAXRAG_STARTUP_TIMEOUT); see every host's log, then relaunch the same command")
+
+
+def check_renames(workdir: Path) -> None:
+    """Renames a directory holding a file inside `workdir`, as every stage does to finish (and
+    orbax to commit a checkpoint): a workdir that cannot (a Cloud Storage bucket of flat
+    namespace mounted by gcsfuse, say) is refused now, not at the first save hours in. Leaves
+    nothing behind, not even `workdir` when it did not exist."""
+    workdir = Path(workdir)
+    made = [d for d in (workdir, *workdir.parents) if not d.exists()]
+    probe = workdir / f".jaxrag-rename-probe-{os.getpid()}"
+    try:
+        (probe / "a").mkdir(parents=True)
+        (probe / "a" / "f").write_text("probe")
+        os.rename(probe / "a", probe / "b")
+        renamed = (probe / "b" / "f").read_text() == "probe"
+    except OSError as e:
+        why = f"{errno.errorcode.get(e.errno, 'error')}: {e.strerror or e}"
+        renamed = False
+    else:
+        why = "the renamed directory lost its file"
+    try:
+        shutil.rmtree(probe, ignore_errors=False)
+        for d in made:
+            d.rmdir()
+    except OSError as e:
+        print(f"warning: could not remove the rename probe {probe}: {e}", file=sys.stderr)
+    if not renamed:
+        raise JaxragError(f"workdir {workdir}: cannot rename a directory ({why}), as every stage and checkpoint "
+                          "does to finish: use a filesystem that can (an NFS mount such as Filestore, or a Cloud "
+                          "Storage bucket with hierarchical namespace mounted by gcsfuse), not a flat bucket")
+
+
+def identity() -> dict:
+    """The code a process runs: jaxrag's source digest (every .py of the package, as `plan/fit.py`
+    hashes it), its git commit where it runs from a checkout (shown, not compared: the source
+    is), and the versions of `PACKAGES`."""
+    package = Path(__file__).resolve().parents[1]
+    source = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        source.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    try:
+        git = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=60)
+        commit = git.stdout.strip() if git.returncode == 0 else None
+    except OSError:
+        commit = None
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"source": source.hexdigest(), "commit": commit, "packages": versions}
+
+
+def model_files(config: dict) -> dict[str, str]:
+    """Digest of every file of the local model the config reads (`model.path`: a directory, or a
+    GGUF file), keyed `model.path/<file>`; nothing for an embedded model or a hub name."""
+    path = Path(str((config.get("model") or {}).get("path") or ""))
+    if not str(path) or str(path) == ".":
+        return {}
+    if path.is_file():
+        return {"model.path": file_digest(path)}
+    if not path.is_dir():
+        return {}
+    return {f"model.path/{f.relative_to(path)}": file_digest(f) for f in sorted(path.rglob("*"))
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)}
+
+
 def agree_at_start(config: dict, files: dict[str, str], workdir: Path) -> None:
-    """Refuses, in every process at once, a process started differently from process 0: another
-    config (seed, override), another view of a data file, or a workdir that is not the one
-    process 0 writes (not shared storage, or another path)."""
+    """Refuses a workdir that cannot rename directories (`check_renames`, by process 0) and, in
+    every process at once, a process started differently from process 0: another config (seed,
+    override), another view of a data file or of the model's weights (a file missing, or other
+    content), other jaxrag code or packages (`identity`), or a workdir that is not the one process
+    0 writes (not shared storage, or another path). A process that does not show up within the
+    start-up timeout stops the others with one line."""
     if not is_multiprocess():
+        check_renames(workdir)
         return
     client, me, n = _client().client, jax.process_index(), jax.process_count()
     token_file = Path(workdir) / ".jaxrag-process-0"
     if me == 0:
+        try:
+            check_renames(workdir)
+        except JaxragError as e:
+            client.key_value_set(f"{_PREFIX}/start/token", f"!{e}")  # every process stops with the line
+            raise
         token = os.urandom(8).hex()
         Path(workdir).mkdir(parents=True, exist_ok=True)
         token_file.write_text(token)
         client.key_value_set(f"{_PREFIX}/start/token", token)
-    token = client.blocking_key_value_get(f"{_PREFIX}/start/token", 600_000)
+    token = _get(client, f"{_PREFIX}/start/token", "process 0's start")
+    if token.startswith("!"):
+        raise JaxragError(token[1:])
     try:
         sees = token_file.read_text() == token
     except OSError:
         sees = False
-    view = {"config": config, "files": files, "workdir": str(workdir), "sees_workdir": sees}
+    view = {"config": config, "files": {**files, **model_files(config)}, "workdir": str(workdir),
+            "sees_workdir": sees, "identity": identity()}
     client.key_value_set(f"{_PREFIX}/start/{me}", json.dumps(view, sort_keys=True, default=str))
-    views = {p: json.loads(client.blocking_key_value_get(f"{_PREFIX}/start/{p}", 600_000)) for p in range(n)}
-    client.wait_at_barrier(f"{_PREFIX}/start/read", 600_000)  # every view read before process 0 goes on
+    views = {p: json.loads(_get(client, f"{_PREFIX}/start/{p}", f"process {p}'s start")) for p in range(n)}
+    _wait(client, "start/read")  # every view read before process 0 goes on
     if me == 0:
         token_file.unlink()
     for p in range(1, n):
         if problem := _differs(views[0], views[p]):
-            raise JaxragError(f"process {p} of {n} {problem}; start every process with the same command, "
-                              "config files and data")
+            raise JaxragError(f"process {p} of {n} {problem}")
+
+
+def agree_on_plan(names, steps) -> None:
+    """Every process plans the same action for every stage (`provenance.plan`'s steps), each from
+    its own view of the workdir; where one does not (a shared filesystem's cache showed it
+    another workdir), every process stops with one line naming the stage and the process, instead
+    of one skipping a stage while the others wait for it at its barrier."""
+    if not is_multiprocess():
+        return
+    client, me, n = _client().client, jax.process_index(), jax.process_count()
+    plan = [[name, step.action] for name, step in zip(names, steps)]
+    client.key_value_set(f"{_PREFIX}/plan/{me}", json.dumps(plan))
+    plans = {p: json.loads(_get(client, f"{_PREFIX}/plan/{p}", f"process {p}'s plan")) for p in range(n)}
+    _wait(client, "plan/read")
+    for p in range(1, n):
+        for (name, lead), (_, other) in zip(plans[0], plans[p]):
+            if lead != other:
+                _tell("finished")  # every process refuses alike: no watchdog reports it as a peer's loss
+                raise JaxragError(
+                    f"process {p} of {n} plans stage '{name}' as '{other}' where process 0 plans '{lead}': they "
+                    "see the workdir differently (a shared filesystem's cache); turn its caching off (NFS: mount "
+                    "with lookupcache=none,actimeo=0) and relaunch the same command")
 
 
 def _differs(lead: dict, other: dict) -> str:
+    same = "; start every process with the same command, config files and data"
     if not other["sees_workdir"]:
         return (f"does not see the workdir process 0 writes ({lead['workdir']}): the workdir must be one shared "
-                "directory at the same path on every host")
+                f"directory at the same path on every host{same}")
+    a, b = lead["identity"], other["identity"]
+    if a["source"] != b["source"]:
+        return (f"runs other jaxrag code than process 0 (source {b['source'][:12]}, commit {b['commit']}, where "
+                f"process 0 has {a['source'][:12]}, commit {a['commit']}); install the same jaxrag on every host")
+    if changed := [f"{k} {b['packages'].get(k)} where process 0 has {v}" for k, v in a["packages"].items()
+                   if b["packages"].get(k) != v]:
+        return f"has other packages than process 0 ({', '.join(changed)}); install the same versions on every host"
     if other["config"] != lead["config"]:
         fields = sorted(_changed(lead["config"], other["config"]))
-        return f"was started with another config than process 0's ({', '.join(fields[:5])} differ)"
-    if other["files"] != lead["files"]:
-        names = sorted(k for k in set(lead["files"]) | set(other["files"])
-                       if lead["files"].get(k) != other["files"].get(k))
-        return f"sees other data than process 0 ({', '.join(names)} differ by content)"
+        return f"was started with another config than process 0's ({', '.join(fields[:5])} differ){same}"
+    mine, theirs = lead["files"], other["files"]
+    if missing := sorted(set(mine) - set(theirs)):
+        return f"does not find {', '.join(missing[:5])}, which process 0 reads (a file missing on its host){same}"
+    if extra := sorted(set(theirs) - set(mine)):
+        return f"finds {', '.join(extra[:5])}, which process 0 does not (a file missing on process 0's host){same}"
+    if names := sorted(k for k in mine if mine[k] != theirs[k]):
+        what = "model weights" if all(k.startswith("model.path") for k in names) else "data"
+        return f"sees other {what} than process 0 ({', '.join(names[:5])} differ by content){same}"
     return ""
 
 
@@ -172,3 +392,39 @@ def _changed(a, b, prefix: str = ""):
             yield from _changed(a.get(k), b.get(k), f"{prefix}{k}.")
     elif a != b:
         yield prefix.rstrip(".")
+
+
+def main(argv=None) -> None:
+    """`python -m jaxrag.runtime.multihost --workdir DIR`: what a run does before its first stage,
+    without the pipeline (join, the start checks, the watchdogs), then a barrier and an allgather
+    across every process; one line per process. The launchers' `--check` runs it."""
+    import argparse
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from jaxrag.errors import run
+    from jaxrag.runtime import multihost  # this file's module, not __main__: one watchdog registry
+    from jaxrag.sharding import initialize_distributed
+
+    parser = argparse.ArgumentParser(prog="python -m jaxrag.runtime.multihost")
+    parser.add_argument("--workdir", required=True, help="the run's workdir (shared by every host)")
+    args = parser.parse_args(argv)
+    initialize_distributed()
+
+    def check():
+        multihost.agree_at_start({}, {}, Path(args.workdir))
+        multihost.start_watchdog()
+        multihost.barrier("check")
+        seen = multihost_utils.process_allgather(np.array([jax.process_index(), jax.local_device_count()]))
+        seen = np.asarray(seen).reshape(-1, 2)
+        line = (f"process {jax.process_index()} of {jax.process_count()}: joined; {int(seen[:, 1].sum())} devices on "
+                f"processes {seen[:, 0].tolist()}; workdir {args.workdir} shared and renames directories\n")
+        os.write(sys.stdout.fileno(), line.encode())  # one write: the processes may share one stream
+        multihost.finish()
+
+    run(check)
+
+
+if __name__ == "__main__":
+    main()

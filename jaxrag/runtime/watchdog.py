@@ -6,8 +6,9 @@ no thread of its own can notice. So each process has this small child process (s
 only), and the children keep in touch over TCP: process 0's child is the hub (it listens on
 `--port`, the coordinator's port + 1, at the coordinator's host), the others connect to it and
 send a heartbeat every second. The hub knows a peer is lost when its connection closes before the
-peer said it finished, when its heartbeat stops for `--silence` seconds, or when the peer reports
-its own failure; it tells every child, and a child that learns of a loss, or whose hub is gone,
+peer said it finished, when its heartbeat stops for `--silence` seconds (JAX's own heartbeat
+timeout, 100 s: a network blip shorter than that is ridden out), when it never connected within
+`--join` seconds (the start-up timeout), or when the peer reports its own failure; it tells every child, and a child that learns of a loss, or whose hub is gone,
 prints one line naming the lost process and its parent's stage, and kills its parent (which may
 be deaf to anything gentler).
 
@@ -32,6 +33,7 @@ BEAT_S = 1.0
 class Child:
     def __init__(self, args):
         self.me, self.n, self.parent, self.silence = args.process, args.processes, args.parent, args.silence
+        self.join = args.join
         self.stage, self.finished, self.buffer = "start", False, b""
 
     def read_parent(self) -> bool:
@@ -70,6 +72,8 @@ class Child:
 
 
 def _send(sock, obj) -> bool:
+    if sock is None:  # not connected yet
+        return False
     try:
         sock.sendall((json.dumps(obj) + "\n").encode())
         return True
@@ -141,7 +145,7 @@ class Hub(Child):
                 if p not in self.done and now - at > self.silence:
                     self.broadcast_loss(p, f"was lost (no heartbeat for {self.silence:.0f} s)")
             missing = set(range(1, self.n)) - set(self.heard)
-            if missing and now - started > 10 * self.silence:  # never connected: its host never started
+            if missing and now - started > self.join:  # never connected: its watchdog never started
                 self.broadcast_loss(min(missing), "never joined")
             if self.finished and set(range(1, self.n)) <= self.done:
                 return
@@ -150,12 +154,16 @@ class Hub(Child):
 class Spoke(Child):
     def __init__(self, args):
         super().__init__(args)
-        deadline = time.monotonic() + 10 * args.silence
+        deadline = time.monotonic() + args.join
+        self.sock = None
         while True:
             try:
-                self.sock = socket.create_connection((args.host, args.port), timeout=args.silence)
+                self.sock = socket.create_connection((args.host, args.port), timeout=10)
                 break
             except OSError:
+                # the parent may be done before the hub was ever reached (a start refused by every process)
+                if select.select([sys.stdin], [], [], 0)[0] and (not self.read_parent() or self.finished):
+                    sys.exit(0)
                 if time.monotonic() > deadline:
                     self.stop_parent(self.lost(0, "(the coordinator's watchdog) could not be reached"))
                 time.sleep(0.5)
@@ -199,7 +207,8 @@ def main(argv=None) -> None:
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--silence", type=float, default=20.0)
+    parser.add_argument("--silence", type=float, default=100.0)
+    parser.add_argument("--join", type=float, default=300.0)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     (Hub if args.process == 0 else Spoke)(args).run()

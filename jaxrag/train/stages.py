@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,9 +58,16 @@ def _finish(model: Model, decoder, params: dict, workdir: Path) -> Model:
 def _drop_checkpoints(workdir: Path) -> None:
     """The trainer's checkpoints (params and optimizer state, up to `keep_checkpoints` of them:
     3 x 84 GB for a 7B full fine-tune) only resume an unfinished training; once the final model
-    is saved they are removed (also when a run was killed between the two)."""
-    if jax.process_index() == 0:
-        shutil.rmtree(workdir / CHECKPOINTS, ignore_errors=True)
+    is saved they are removed (also when a run was killed between the two). One that cannot be
+    removed (a shared filesystem's files of another user) is left with one warning line naming
+    it: the model is saved, but the space is not freed."""
+    path = workdir / CHECKPOINTS
+    if jax.process_index() == 0 and path.exists():
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            print(f"warning: could not remove the finished training's checkpoints {path} ({e.strerror or e}: "
+                  f"{e.filename or path}); remove them by hand to free the space", file=sys.stderr, flush=True)
 
 
 def _done(model: Model, workdir: Path) -> Model | None:
