@@ -14,14 +14,14 @@ each process's own devices (`generation_mesh`): the same rules, `fsdp` 1, the mo
 them (`jaxrag.runtime.shares`). The KV cache is split by rows over `data` and by KV heads over
 `tensor` (`cache_sharding`).
 
-Multi-host: `initialize_distributed()` joins the job when launched on several hosts; each host
+Multi-host: `jaxrag.runtime.multihost.initialize_distributed()` joins the job when launched on
+several hosts; each host
 then builds only the batch rows its own devices hold (`host_rows` / `global_batch`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -44,35 +44,6 @@ LOGICAL_RULES = (
     ("norm", None),
     ("lora_rank", None),  # LoRA adapters: split like the weight they adapt, never along the rank
 )
-
-
-def is_multihost_launch(env: Mapping[str, str] = os.environ) -> bool:
-    """True when the launcher started several processes: JAXRAG_DISTRIBUTED=1 (explicit
-    opt-in, e.g. on a TPU pod slice), JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, or
-    TPU_WORKER_HOSTNAMES listing several workers."""
-    def count(name):
-        try:
-            return int(env.get(name, "1"))
-        except ValueError:
-            return 1
-    return env.get("JAXRAG_DISTRIBUTED") == "1" or bool(env.get("JAX_COORDINATOR_ADDRESS")) \
-        or count("SLURM_NTASKS") > 1 \
-        or count("OMPI_COMM_WORLD_SIZE") > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", "")
-
-
-def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
-    """Calls `jax.distributed.initialize()` once on multi-host launches; must run before any other
-    JAX call. JAX_NUM_PROCESSES / JAX_PROCESS_ID override cluster auto-detection. On CPU devices
-    the processes' collectives go over gloo (TCP), as on one machine running several processes."""
-    if not is_multihost_launch(env) or jax.distributed.is_initialized():
-        return False
-    num = env.get("JAX_NUM_PROCESSES")
-    pid = env.get("JAX_PROCESS_ID")
-    if env.get("JAX_PLATFORMS") == "cpu":  # CPU devices of several processes: collectives over TCP
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(num_processes=int(num) if num else None,
-                               process_id=int(pid) if pid else None)
-    return True
 
 
 def mesh_shape(spec: Mapping[str, int], n_devices: int) -> tuple[int, ...]:

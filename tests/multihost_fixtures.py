@@ -114,8 +114,9 @@ def audit_writes(audit: Path) -> dict[str, set[str]]:
     return writers
 
 
-# Not compared: wall-clock times, and the code identity (pipeline_fixtures.CODE_IDENTITY).
-UNCOMPARED = ("phases", "seconds", *CODE_IDENTITY)
+# Not compared: wall-clock times, the code identity (pipeline_fixtures.CODE_IDENTITY), and how a
+# stage placed its generation model (W/inputs/<stage>.json's "placement": the devices differ).
+UNCOMPARED = ("phases", "seconds", "placement", *CODE_IDENTITY)
 
 
 def same_results(a, b, atol: float, path: str = "") -> None:

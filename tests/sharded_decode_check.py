@@ -1,6 +1,9 @@
 """Run in a subprocess with 8 fake CPU devices (see test_decode_sharded.py): greedy generation
 on meshes (8,1,1), (2,2,2) and (1,2,4), in training's stacked layout and in the inference
-layout (`for_inference`), and routed inference on (2,2,2), equal the single-device results."""
+layout (`for_inference`), and routed inference on (2,2,2), equal the single-device results; the
+generation placement with a model axis of 2 (data 4 x tensor 2) compiles a decode step in which
+every device holds half of each weight matrix split over heads / MLP / vocab and half of the
+cache's KV heads, and generates what one device does."""
 
 import os
 import sys
@@ -18,7 +21,10 @@ import jaxrag  # noqa: E402
 from jaxrag.decode.routing import RouteConfig, route  # noqa: E402
 from jaxrag.models.model import add_special_tokens, for_inference  # noqa: E402
 from jaxrag.policies.srrag import srrag_policy  # noqa: E402
-from jaxrag.decode.sampler import generate, shard_decoder  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxrag.decode import sampler  # noqa: E402
+from jaxrag.decode.sampler import generate, place_for_generation, shard_decoder  # noqa: E402
 from jaxrag.sharding import make_mesh  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [99, 3, 120]]
@@ -47,3 +53,31 @@ if __name__ == "__main__":
     assert [(r.source, r.knowledge, r.answer) for r in got] == [(r.source, r.knowledge, r.answer) for r in want]
     assert {r.source for r in got} == {"wiki", "self"}
     print("sharded routing ok")
+
+    # Generation's placement, model axis 2: the compiled decode step's own input shardings.
+    decoder, where = place_for_generation(for_inference(model).decoder, tensor=2)
+    assert where == {"processes": 1, "devices_per_process": 8, "data": 4, "tensor": 2}, where
+    state = sampler.init_state(decoder, 8, 32)
+    graphdef, params = nnx.split(decoder)
+
+    def step(p, st, ids, mask):
+        return sampler._extend(nnx.merge(graphdef, p), st, ids, mask)[0]
+
+    ids = sampler.on_mesh(np.ones((8, 1), np.int32), sampler.placement(decoder))
+    compiled = jax.jit(step, donate_argnums=1).lower(params, state, ids, ids > 0).compile()
+    (p_sh, st_sh, _, _), _ = compiled.input_shardings
+    halves = {}
+    for (path, x), sh in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(p_sh)):
+        name = jax.tree_util.keystr(path)
+        halves[name] = sh.shard_shape(x.shape) != x.shape
+        if halves[name]:  # split over the model axis only: exactly half of it on each device
+            assert np.prod(sh.shard_shape(x.shape)) * 2 == x.size, (name, x.shape, sh)
+    for w in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        split = [n for n, h in halves.items() if f"'{w}'" in n]
+        assert split and all(halves[n] for n in split), (w, {n: halves[n] for n in split})
+    cache = state.cache[0].k
+    kv_sh = jax.tree.leaves(st_sh)[0]
+    assert cache.shape[:2] == (8, 2) and kv_sh.shard_shape(cache.shape) == (2, 1, *cache.shape[2:]), \
+        (cache.shape, kv_sh)
+    assert generate(decoder, PROMPTS, 10) == generate(model.decoder, PROMPTS, 10)
+    print("generation placement ok")

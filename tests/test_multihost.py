@@ -106,9 +106,15 @@ def test_every_file_is_written_by_one_process(runs):
     assert any(p.startswith("construct/shard-") for p in writers)
     shared = {p: w for p, w in writers.items() if len(w) > 1 and ".orbax-checkpoint-tmp" not in p}
     assert not shared, shared
-    # process 1 wrote no file of its own at all outside orbax's
+    # process 1 wrote no file of its own outside orbax's but its construct shards and its shares of
+    # the datastores' and eval's batches (jaxrag/runtime/shares.py), which process 0 read
+    spools = ("datastore.shares/", "baselines/no_kv_label_datastore.shares/", "baselines/no_dpo_datastore.shares/",
+              "eval_parts/shares/")
     assert not [p for p, w in writers.items() if w == {"1"} and ".orbax-checkpoint-tmp" not in p
-                and not p.startswith("construct/")]
+                and not p.startswith(("construct/", *spools))]
+    for spool in spools:  # every process computed its share
+        assert {frozenset(w) for p, w in writers.items() if p.startswith(spool) and p.endswith(".pkl")} \
+            == {frozenset("0"), frozenset("1")}, spool
     # nothing half-written is left: no temp file or folder, no ".building"
     leftovers = [p for p in two.rglob("*") if ".tmp" in p.name or p.name.endswith(".building")]
     assert not leftovers, leftovers
@@ -196,7 +202,7 @@ def test_local_launcher_dry_run_prints_one_command_per_process():
 
 BARRIER_PROGRAM = """
 import sys, time
-from jaxrag.sharding import initialize_distributed
+from jaxrag.runtime.multihost import initialize_distributed
 initialize_distributed()
 import jax, numpy as np
 from jax.experimental import multihost_utils

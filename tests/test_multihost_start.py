@@ -28,7 +28,7 @@ TAIL = "see every host's log, then relaunch the same command on every host"
 PROGRAM = """
 import os, sys
 from pathlib import Path
-from jaxrag.sharding import initialize_distributed
+from jaxrag.runtime.multihost import initialize_distributed
 initialize_distributed()
 import jax
 from types import SimpleNamespace

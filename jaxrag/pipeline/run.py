@@ -136,6 +136,7 @@ def run(cfg: ConfigDict, workdir: Path, user_set=()) -> dict[str, Path]:
         stages, names = stages[: names.index(stop_after) + 1], names[: names.index(stop_after) + 1]
     done = {name: workdir.is_dir() and is_done(workdir) for name, _, is_done in stages}
     steps = provenance.plan(cfg, workdir, names, done, is_embedded(cfg), cfg.pipeline.get("rerun_from", ""))
+    multihost.agree_on_plan(names, steps)  # every process plans the same stages (one line where not)
     check_fit_before(cfg, workdir, names, steps)
     workers = _workers(cfg, user_set)
     multihost.barrier("planned")  # every process planned from the workdir as it was before this run

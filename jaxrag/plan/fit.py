@@ -94,7 +94,7 @@ def generation_placement(cfg, process_devices, processes: int, device_bytes: flo
     `sharding.generation_tensor` picks it for the model's weights and `device_bytes` usable per
     device (0: CPU devices, which share the host's memory: the model whole)."""
     from jaxrag import sharding  # not on import: see `measure`
-    from jaxrag.plan.programs import inference_weight_bytes, plan_decoder_config
+    from jaxrag.plan.programs import inference_weight_bytes, plan_decoder_config  # as `measure`'s
 
     weights = inference_weight_bytes(plan_decoder_config(cfg))
     tensor = sharding.generation_tensor(int(cfg.generation.tensor), len(process_devices), weights, device_bytes)
@@ -210,7 +210,7 @@ def check_fit(cfg) -> None:
     allocator limit. CPU: against host memory, at the dtypes the CPU runs (`auto` = float32)."""
     import jax  # not on import: see `measure`
 
-    from jaxrag import sharding
+    from jaxrag import sharding  # imports jax: as above
 
     devices = jax.devices()
     if jax.default_backend() == "cpu":

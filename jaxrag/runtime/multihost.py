@@ -26,6 +26,7 @@ runs the start of a run without the pipeline: join, agree, a barrier and an allg
 
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import importlib.metadata
@@ -36,12 +37,15 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
-from jaxrag.errors import FAILURE_HOOKS, JaxragError
+from jaxrag.errors import FAILURE_HOOKS, JaxragError, run
 
 # A peer whose heartbeat stalls this long is lost: JAX's own default, so that a network blip JAX
 # rides out does not stop a run; JAX's heartbeat is given longer (`join`), so that this line comes first.
@@ -51,6 +55,47 @@ PACKAGES = ("jax", "jaxlib", "flax", "orbax-checkpoint")  # compared at start, w
 BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000  # a barrier outwaits any stage: a lost peer is the watchdog's
 _PREFIX = "jaxrag"
 _watchdog: dict[str, subprocess.Popen] = {}
+
+
+def is_multihost_launch(env: Mapping[str, str] = os.environ) -> bool:
+    """True when the launcher started several processes: JAXRAG_DISTRIBUTED=1 (explicit
+    opt-in, e.g. on a TPU pod slice), JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, or
+    TPU_WORKER_HOSTNAMES listing several workers. JAXRAG_DISTRIBUTED=0 is one process whatever
+    the environment says (launch/gpu_single.sh: inside an sbatch of several tasks, SLURM_NTASKS
+    describes the job, not this process)."""
+    def count(name):
+        try:
+            return int(env.get(name, "1"))
+        except ValueError:
+            return 1
+    if env.get("JAXRAG_DISTRIBUTED") == "0":
+        return False
+    return env.get("JAXRAG_DISTRIBUTED") == "1" or bool(env.get("JAX_COORDINATOR_ADDRESS")) \
+        or count("SLURM_NTASKS") > 1 \
+        or count("OMPI_COMM_WORLD_SIZE") > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+
+
+def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
+    """Calls `jax.distributed.initialize()` once on multi-host launches; must run before any other
+    JAX call. JAX_NUM_PROCESSES / JAX_PROCESS_ID override cluster auto-detection. On CPU devices
+    the processes' collectives go over gloo (TCP), as on one machine running several processes.
+    Joining is bounded by JAXRAG_STARTUP_TIMEOUT (`join`); a process that
+    cannot join exits with one `error:` line and status 2."""
+    if not is_multihost_launch(env) or jax.distributed.is_initialized():
+        return False
+    num = env.get("JAX_NUM_PROCESSES")
+    pid = env.get("JAX_PROCESS_ID")
+    if env.get("JAX_PLATFORMS") == "cpu":  # CPU devices of several processes: collectives over TCP
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        for name, value in (("JAX_NUM_PROCESSES", num), ("JAX_PROCESS_ID", pid)):
+            if value is not None and not value.isdigit():
+                raise JaxragError(f"{name}={value!r}: must be a whole number")
+        join(env.get("JAX_COORDINATOR_ADDRESS"), int(num) if num else None, int(pid) if pid else None, env)
+    except JaxragError as e:  # before the CLI's own error handling: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return True
 
 
 def is_multiprocess() -> bool:
@@ -398,19 +443,12 @@ def main(argv=None) -> None:
     """`python -m jaxrag.runtime.multihost --workdir DIR`: what a run does before its first stage,
     without the pipeline (join, the start checks, the watchdogs), then a barrier and an allgather
     across every process; one line per process. The launchers' `--check` runs it."""
-    import argparse
-
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    from jaxrag.errors import run
     from jaxrag.runtime import multihost  # this file's module, not __main__: one watchdog registry
-    from jaxrag.sharding import initialize_distributed
 
     parser = argparse.ArgumentParser(prog="python -m jaxrag.runtime.multihost")
     parser.add_argument("--workdir", required=True, help="the run's workdir (shared by every host)")
     args = parser.parse_args(argv)
-    initialize_distributed()
+    multihost.initialize_distributed()
 
     def check():
         multihost.agree_at_start({}, {}, Path(args.workdir))

@@ -51,6 +51,8 @@ def map_shared(fn: Callable[[T], R], chunks: Sequence[T], spool: Path, name: str
     spool, stem = Path(spool), re.sub(r"[^\w.-]+", "_", name).strip("_")
     files = [spool / f"{stem}.{p}-of-{n_proc}.pkl" for p in range(n_proc)]
     path = files[me]
+    print(f"  {name}: process {me} of {n_proc} computes batches {mine.start + 1}-{mine.stop} of {len(chunks)}"
+          + (" (done before: read from its spool)" if path.is_file() else ""), flush=True)
     if not path.is_file():  # else this process's share is done, from an interrupted run
         out = [fn(chunks[i]) for i in tqdm(mine, **bar)]
         spool.mkdir(parents=True, exist_ok=True)
