@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from ml_collections import ConfigDict
 
@@ -17,6 +18,7 @@ from jaxrag.data.mixture import mixture_split
 from jaxrag.data.schema import QAExample, read_examples
 from jaxrag.decode.routing import RouteConfig
 from jaxrag.decode.sampler import place_for_generation
+from jaxrag.models.decoder import resolve_dtype
 from jaxrag.models.lora import weights_dtype
 from jaxrag.models.model import load_model
 from jaxrag.retrieval.retriever import Retriever
@@ -59,13 +61,17 @@ PLACEMENT: dict = {}
 
 def load(cfg: ConfigDict, path: Path, inference: bool = False):
     """A saved model at the config's dtypes; `inference=True`: LoRA merged and layers unstacked
-    once, for the stages that only generate and score (`models.model.for_inference`), placed on
+    once, weights in the compute dtype, for the stages that only generate and score
+    (`models.model.for_inference`), placed on
     this process's devices as `generation` says (`sampler.place_for_generation`). The memory of
     models dropped before this call goes back to the OS first."""
     host_memory.release()
-    model = load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg), inference=inference)
     if not inference:
-        return model
+        return load_model(path, dtype=cfg.model.dtype, param_dtype=weights_dtype(cfg))
+    # Generation keeps its weights in the compute dtype, which every use casts them to: the same
+    # numbers as float32 master weights, in half the bytes per token.
+    model = load_model(path, dtype=cfg.model.dtype, param_dtype=jnp.dtype(resolve_dtype(cfg.model.dtype)).name,
+                       inference=True)
     decoder, where = place_for_generation(model.decoder, int(cfg.generation.tensor))
     if where != PLACEMENT:
         print(f"  generation: process {jax.process_index()} of {where['processes']}, {where['devices_per_process']} "

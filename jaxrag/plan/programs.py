@@ -183,9 +183,9 @@ def decoder_programs(cfg, dec_cfg: DecoderConfig, mesh, gen_mesh=None) -> list[P
 
 
 def inference_model(dec_cfg: DecoderConfig) -> tuple[DecoderConfig, Decoder]:
-    """The model as generation loads it (`models.model.for_inference`), abstract: adapters merged
-    into the base (in its dtype), layers unstacked."""
-    inf_cfg = dataclasses.replace(dec_cfg, lora_rank=0, lora_alpha=0.0, lora_targets=())
+    """The model as generation loads it (`pipeline.workdir.load`, `models.model.for_inference`),
+    abstract: adapters merged, weights in the compute dtype, layers unstacked."""
+    inf_cfg = dataclasses.replace(dec_cfg, lora_rank=0, lora_alpha=0.0, lora_targets=(), param_dtype=dec_cfg.dtype)
     return inf_cfg, nnx.eval_shape(lambda: unstack_layers(Decoder(inf_cfg, nnx.Rngs(0))))
 
 
