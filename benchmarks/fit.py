@@ -67,11 +67,12 @@ def run_program(cfg, name: str, steps: int) -> dict:
     import jax
 
     from jaxrag import sharding
-    from jaxrag.plan.fit import ACCELERATORS, accelerator_of
+    from jaxrag.plan.fit import ACCELERATORS, accelerator_of, generation_placement
     from jaxrag.plan.programs import pipeline_programs
 
-    devices = jax.devices()
-    found = {p.name: p for p in pipeline_programs(cfg, sharding.make_mesh(cfg.mesh, devices))}
+    devices = jax.devices()  # generation's programs on this process's devices, placed as the run places them
+    gen = generation_placement(cfg, jax.local_devices(), jax.process_count(), sharding.usable_device_bytes())
+    found = {p.name: p for p in pipeline_programs(cfg, sharding.make_mesh(cfg.mesh, devices), gen.mesh)}
     if name not in found:
         raise JaxragError(f"--only: no program {name!r}; programs: {', '.join(found)}")
     p = found[name]

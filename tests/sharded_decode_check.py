@@ -23,7 +23,9 @@ from jaxrag.models.model import add_special_tokens, for_inference  # noqa: E402
 from jaxrag.policies.srrag import srrag_policy  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxrag.decode import sampler  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxrag.decode import sampler, slots  # noqa: E402
 from jaxrag.decode.sampler import generate, place_for_generation, shard_decoder  # noqa: E402
 from jaxrag.sharding import make_mesh  # noqa: E402
 
@@ -81,3 +83,21 @@ if __name__ == "__main__":
         (cache.shape, kv_sh)
     assert generate(decoder, PROMPTS, 10) == generate(model.decoder, PROMPTS, 10)
     print("generation placement ok")
+
+    # The server's slot pool on that placement: slots over data, heads over tensor; a prompt
+    # admitted to a slot and decoded there gives what one device gives.
+    def serve_one(dec):
+        pool = slots.init_pool(dec, 8, 32)
+        ids, mask = sampler.left_pad([PROMPTS[1]], 16, 1)
+        pool, _, _ = slots.admit_rows(dec, pool, jnp.array([5]), jnp.asarray(ids), jnp.asarray(mask), length=32,
+                                      hidden_layer=1)
+        live = np.zeros(8, bool)
+        live[5] = True
+        pool, tokens, _ = slots.steps(dec, pool, jnp.asarray(live), jnp.full((8, 1), sampler.NO_TOKEN),
+                                      jnp.full((8,), 10), jnp.zeros(8), jnp.ones(8), jax.random.key(0), max_steps=10)
+        return pool, np.asarray(tokens)[5].tolist()
+
+    pool, got = serve_one(decoder)
+    assert got == serve_one(for_inference(model).decoder)[1] == generate(model.decoder, PROMPTS[1:2], 10)[0], got
+    assert pool.cache[0].k.sharding.shard_shape(pool.cache[0].k.shape)[:2] == (2, 1), pool.cache[0].k.sharding
+    print("slot pool placement ok")

@@ -14,4 +14,4 @@ def test_greedy_generation_is_the_same_on_every_mesh(tiny_hf):
                           env={**os.environ, "PYTHONPATH": str(script.parent)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sharded generation ok" in proc.stdout and "sharded routing ok" in proc.stdout
-    assert "generation placement ok" in proc.stdout
+    assert "generation placement ok" in proc.stdout and "slot pool placement ok" in proc.stdout

@@ -63,8 +63,8 @@ def stage_seconds(text: str) -> dict[str, str]:
 def run(data, tmp_path_factory):
     """The whole command once, as 2 processes x 1 device: the data axis spans the processes, so
     every training step's gradients are summed across them and generation and scoring are split
-    between them. Beside its eval, which process 0 runs while process 1 waits, one process alone
-    is killed during construct and reruns it (`kill_and_rerun_construct`). Returns the workdir,
+    between them. Beside its eval, one process alone is killed during construct and reruns it
+    (`kill_and_rerun_construct`). Returns the workdir,
     process 0's output (it prints the stages and the report), the killed process's outcome, and
     each process's stage seconds (which the first test puts in CI's log)."""
     workdir = tmp_path_factory.mktemp("real_path") / "run"

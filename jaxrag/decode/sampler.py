@@ -110,7 +110,8 @@ def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
     if mesh is None:
         return _zero_state(decoder, batch, slots)
     shapes = jax.eval_shape(lambda: _zero_state(decoder, batch, slots))
-    rows, whole = batch_sharding(mesh), sharding.replicated(mesh)
+    whole = sharding.replicated(mesh)
+    rows = batch_sharding(mesh) if batch % data_parallel_size(mesh) == 0 else whole  # one row: on every device
     layer = LayerCache(*(sharding.cache_sharding(mesh, x.shape) for x in shapes.cache[0]))
     out = DecodeState(tuple(layer for _ in shapes.cache), rows, rows, whole, rows)
     return jax.jit(lambda: _zero_state(decoder, batch, slots), out_shardings=out)()

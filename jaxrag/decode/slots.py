@@ -31,9 +31,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, nucleus
+from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, nucleus, placement
+from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import Decoder, init_cache
 from jaxrag.models.kv_cache import KVCache, LayerCache
+from jaxrag.sharding import batch_sharding, cache_sharding, data_parallel_size
 
 
 class SlotPool(NamedTuple):
@@ -44,13 +46,29 @@ class SlotPool(NamedTuple):
     logits: jax.Array  # [slots, vocab] float32: next-token logits after each row's last token
 
 
-def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
+def _zero_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
     cfg = decoder.cfg
     row = init_cache(cfg, 1, length)  # each slot's cache is a batch-1 cache, stacked
     cache = tuple(LayerCache(*(jnp.zeros((slots, *x.shape), x.dtype) for x in c)) for c in row)
     return SlotPool(cache, jnp.zeros((slots, length), bool),
                     jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32),
                     jnp.zeros((slots, cfg.padded_vocab_size), jnp.float32))
+
+
+def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
+    """A zeroed pool placed as the decoder is (`sampler.placement`): slots over the mesh's batch
+    axes (`slots` a multiple of their size), KV heads over `tensor`; created on the devices."""
+    mesh = placement(decoder)
+    if mesh is None:
+        return _zero_pool(decoder, slots, length)
+    if slots % data_parallel_size(mesh):
+        raise JaxragError(f"{slots} slots: must be a multiple of the model's data axis ({data_parallel_size(mesh)} "
+                          "devices), each of which holds its share of the slots")
+    shapes = jax.eval_shape(lambda: _zero_pool(decoder, slots, length))
+    rows = batch_sharding(mesh)
+    layer = LayerCache(*(cache_sharding(mesh, x.shape) for x in shapes.cache[0]))
+    out = SlotPool(tuple(layer for _ in shapes.cache), rows, rows, rows, rows)
+    return jax.jit(lambda: _zero_pool(decoder, slots, length), out_shardings=out)()
 
 
 def _rows(pool: SlotPool) -> DecodeState:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from jaxrag.decode.routing import RouteConfig, Routed, route
 from jaxrag.errors import JaxragError
+from jaxrag.decode.sampler import place_for_generation
 from jaxrag.models.model import load_model
 from jaxrag.policies.srrag import datastore_neighbours, srrag_policy
 from jaxrag.retrieval.datastore import PolicyDatastore
@@ -71,11 +72,15 @@ class SRRAG:
 
     @classmethod
     def load(cls, export_dir: str | os.PathLike, *, index: str | os.PathLike | None = None,
-             tau: float | None = None, k: int | None = None) -> SRRAG:
-        """`index` overrides the passage index recorded at export (e.g. on another machine)."""
+             tau: float | None = None, k: int | None = None, tensor: int = 0) -> SRRAG:
+        """`index` overrides the passage index recorded at export (e.g. on another machine). The
+        model is placed on this host's devices (`sampler.place_for_generation`): split over
+        `tensor` of them (0 = only as far as it must be to fit), the others data replicas."""
         export_dir = Path(export_dir)
         spec = read_serving_spec(export_dir)
-        return cls(model=load_model(export_dir, inference=True), datastore=PolicyDatastore.load(export_dir / DATASTORE_DIR),
+        model = load_model(export_dir, inference=True)
+        model = dataclasses.replace(model, decoder=place_for_generation(model.decoder, tensor)[0])
+        return cls(model=model, datastore=PolicyDatastore.load(export_dir / DATASTORE_DIR),
                    retriever=Retriever.load(index or spec["index"], spec.get("encoder")),
                    tau=float(spec["tau"] if tau is None else tau), k=int(spec["k"] if k is None else k),
                    route_cfg=RouteConfig(**spec["route"]), n_passages=int(spec["n_passages"]))

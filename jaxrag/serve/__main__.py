@@ -1,11 +1,13 @@
-"""`python -m jaxrag.serve EXPORT_DIR [--host 127.0.0.1] [--port 8000] [--slots 8] [--max-queue 256]
-[--index DIR] [--max-question-tokens 256]`
+"""`python -m jaxrag.serve EXPORT_DIR [--host 127.0.0.1] [--port 8000] [--slots 8] [--tensor 0]
+[--max-queue 256] [--index DIR] [--max-question-tokens 256]`
 
 Serves an SR-RAG export (model, policy datastore, tau, passage index: `srrag.json`, read as
 `SRRAG.load` reads it) over HTTP with continuous batching (`jaxrag.serve.engine`, routes in
 `jaxrag.serve.http`). Every program is compiled before the port opens; SIGTERM stops intake,
 finishes the requests in flight and exits 0. A broken export or a missing index is refused at
-start with one `error:` line.
+start with one `error:` line. The model is placed on the host's devices as generation places it
+in the pipeline (`--tensor`: the model axis; `jaxrag.sharding.generation_mesh`), the slots split
+over the other devices.
 """
 
 from __future__ import annotations
@@ -41,7 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("export_dir", help="an SR-RAG export (`W/export`, with srrag.json)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--slots", type=int, default=8, help="decode slots (requests decoded at once)")
+    parser.add_argument("--slots", type=int, default=8,
+                        help="decode slots (requests decoded at once), split over the devices' data axis")
+    parser.add_argument("--tensor", type=int, default=0,
+                        help="devices the model is split over (its model axis; 0 = only as many as it needs to "
+                             "fit); the host's other devices are data replicas, each holding its share of the slots")
     parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429")
     parser.add_argument("--index", default=None, help="passage index (default: the one srrag.json names)")
     parser.add_argument("--max-question-tokens", type=int, default=256,
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         for flag in ("slots", "max_queue", "max_question_tokens"):
             if getattr(args, flag) < 1:
                 raise JaxragError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+        if args.tensor < 0:
+            raise JaxragError(f"--tensor {args.tensor}: must be 0 (as many devices as the model needs) or more")
         # jax, the model and the web stack load once the arguments are good: --help stays instant
         import uvicorn
         from jaxrag.serve import SERVING_FILE, SRRAG, read_serving_spec
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             raise JaxragError(f"{where} {index}: no such index directory")
         start = time.perf_counter()
         try:
-            system = SRRAG.load(export, index=args.index)
+            system = SRRAG.load(export, index=args.index, tensor=args.tensor)
         except JaxragError:
             raise
         except Exception as e:  # a half-written or foreign directory: one line, not a traceback
