@@ -74,7 +74,8 @@ def main(argv=None) -> dict:
     results = []
     for name, params in CASES.items():
         draw = jax.jit(lambda x, key, p=params: sample_tokens(x, key, p))
-        ours = timed(lambda: draw(ours_in, jax.random.key(1)).block_until_ready(), args.repeats)
+        keys = jax.random.split(jax.random.key(1), args.rows)  # one key per row
+        ours = timed(lambda: draw(ours_in, keys).block_until_ready(), args.repeats)
         theirs = timed(lambda: torch.multinomial(torch.softmax(hf_warped(theirs_in, params), -1), 1), args.repeats)
         kept = torch.isfinite(hf_warped(theirs_in, params)).numpy()
         results.append({"case": name, "params": dataclasses.asdict(params),

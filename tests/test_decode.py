@@ -151,7 +151,7 @@ def test_sampled_tokens_follow_transformers_warped_distribution(top_k, top_p):
     want = torch.softmax(torch.tensor(_hf_filtered(logits / 0.8, top_k, top_p)), -1).numpy()[0]
     params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
     keys = jax.random.split(jax.random.key(3), 20_000)
-    draws = np.asarray(jax.vmap(lambda k: sample_tokens(jax.numpy.asarray(logits), k, params)[0])(keys))
+    draws = np.asarray(jax.vmap(lambda k: sample_tokens(jax.numpy.asarray(logits), k[None], params)[0])(keys))
     freq = np.bincount(draws, minlength=12) / len(draws)
     assert set(np.flatnonzero(freq)) == set(np.flatnonzero(want))
     np.testing.assert_allclose(freq, want, atol=0.012)
@@ -170,6 +170,18 @@ def test_sampling_controls(tiny_hf):
     for seed in range(5):
         first = generate(model.decoder, [PROMPTS[0]], 1, sampling=SamplingParams(1.0, top_k=3), rng=jax.random.key(seed))
         assert first[0][0] in allowed
+
+
+def test_a_sampled_row_draws_the_same_in_any_batch(tiny_hf):
+    """Sampling is keyed per row (`row_ids`): a prompt draws the same tokens alone, in a batch of
+    other prompts at another position, and in a batch padded to 8 rows; another id draws others."""
+    _, _, model = tiny_hf("llama")
+    hot, rng = SamplingParams(temperature=5.0), jax.random.key(4)
+    alone = generate(model.decoder, [PROMPTS[1]], 8, sampling=hot, rng=rng, row_ids=[7])
+    batch = generate(model.decoder, [PROMPTS[0], PROMPTS[2], PROMPTS[1]], 8, sampling=hot, rng=rng, row_ids=[3, 5, 7])
+    padded = generate(model.decoder, [PROMPTS[1], PROMPTS[0]], 8, sampling=hot, rng=rng, rows=8, row_ids=[7, 3])
+    assert batch[2] == alone[0] == padded[0] and batch[0] == padded[1]
+    assert generate(model.decoder, [PROMPTS[1]], 8, sampling=hot, rng=rng, row_ids=[8])[0] != alone[0]
 
 
 def test_bad_batches_are_refused(tiny_hf):

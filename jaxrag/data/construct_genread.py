@@ -74,10 +74,11 @@ def verbalize(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, s
               redraws: int = EMPTY_REDRAWS) -> list[Verbalization]:
     """Generates one document per prompt (token ids), stopping at EOS or after `max_new_tokens`.
 
-    Prompts are sorted by length and generated `batch_size` at a time (batch b samples with
-    `fold_in(rng, b)`), so the result is a pure function of the prompts, rng and batch size. A
-    short last batch is padded with repeats of its first prompt (outputs dropped): every batch
-    has the same rows, so a run compiles one program per prompt-length bucket.
+    Prompts are sorted by length and generated `batch_size` at a time, prompt i sampling with
+    its own key (`sampler.row_keys(rng, i)`), so the result is a pure function of the prompts and
+    rng, whatever the batch or device a prompt runs in. A short last batch is padded (outputs
+    dropped): every batch has the same rows, so a run compiles one program per prompt-length
+    bucket.
 
     A document that comes out empty (the first token was EOS) is drawn again with `redraw`
     sampling (default `sampling`; round 1 is greedy, so its own rule would repeat the empty text),
@@ -108,11 +109,11 @@ def _generate_documents(model, prompts, rows: Sequence[int], max_new_tokens: int
         raise JaxragError("GenRead verbalization stops at EOS, but the tokenizer has no eos_token")
     order = sorted(range(len(rows)), key=lambda r: (len(prompts[rows[r]]), rows[r]))
     out: list[Verbalization | None] = [None] * len(rows)
-    for b, start in enumerate(range(0, len(order), batch_size)):
+    for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         batch = [prompts[rows[r]] for r in chunk]
-        generated = generate(model.decoder, batch, max_new_tokens, [eos], sampling, jax.random.fold_in(rng, b),
-                             rows=batch_size)
+        generated = generate(model.decoder, batch, max_new_tokens, [eos], sampling, rng, rows=batch_size,
+                             row_ids=[rows[r] for r in chunk])
         for r, ids in zip(chunk, generated):
             stopped = bool(ids) and ids[-1] == eos
             text = tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True).strip()

@@ -141,7 +141,8 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         budget = np.zeros(batch, np.int32)
         budget[:n] = [cfg.max_verbal_tokens if s == SELF else 0 for s in chosen]
         return decode(dec, state, on_mesh(stop_matrix([[eok, *eos]] * n, batch), mesh), on_mesh(budget, mesh),
-                      jax.random.fold_in(rng, 0), max_new=vlen, sampling=cfg.sampling)
+                      jax.random.fold_in(rng, 0), on_mesh(np.arange(batch, dtype=np.uint32), mesh), max_new=vlen,
+                      sampling=cfg.sampling)
 
     (state, verbal, verbal_len, verbal_stopped), t_v = timed(verbalize)
     verbal, verbal_len, verbal_stopped = map(np.asarray, (verbal, verbal_len, verbal_stopped))
@@ -170,7 +171,8 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         budget = np.zeros(batch, np.int32)
         budget[:n] = cfg.max_answer_tokens
         return decode(dec, st, on_mesh(stop_matrix([eos] * n, batch), mesh), on_mesh(budget, mesh),
-                      jax.random.fold_in(rng, 1), max_new=alen, sampling=cfg.sampling)
+                      jax.random.fold_in(rng, 1), on_mesh(np.arange(batch, dtype=np.uint32), mesh), max_new=alen,
+                      sampling=cfg.sampling)
 
     (_, answers, answer_len, _), t_g = timed(answer_phase)
     answers, answer_len = np.asarray(answers), np.asarray(answer_len)

@@ -201,29 +201,36 @@ def candidates(logits: jax.Array, sampling: SamplingParams) -> tuple[jax.Array, 
     return (nucleus(logits, sampling.top_p) if sampling.top_p < 1.0 else logits), None
 
 
-def sample_tokens(logits: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.Array:
+def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingParams) -> jax.Array:
     """logits [batch, vocab] -> token ids [batch]: greedy at temperature 0, else a draw among
-    `candidates`."""
+    `candidates`, row i's with its own key keys[i] (so a row draws the same token in any batch)."""
     if sampling.temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     values, ids = candidates(logits, sampling)
-    choice = jax.random.categorical(key, values, axis=-1)
+    choice = jax.vmap(jax.random.categorical)(keys, values)
     if ids is not None:
         choice = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
     return choice.astype(jnp.int32)
 
 
+def row_keys(rng: jax.Array, row_ids) -> jax.Array:
+    """One key per row, [batch]: `rng` folded with each row's id, so that a row's draws depend on
+    the id its caller gives it (its question's), never on the batch or device it runs in."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.asarray(row_ids, jnp.uint32))
+
+
 @partial(nnx.jit, static_argnames=("max_new", "sampling"), donate_argnums=1)
-def decode(decoder: Decoder, state: DecodeState, stop_ids, budget, rng, max_new: int,
+def decode(decoder: Decoder, state: DecodeState, stop_ids, budget, rng, row_ids, max_new: int,
            sampling: SamplingParams = SamplingParams()):
     """Generates up to `max_new` tokens per row in a `lax.while_loop`.
 
     stop_ids [batch, n] (NO_TOKEN-padded): a row stops after emitting one of them (the stop token
     is kept, and written to the cache). budget [batch]: a row's own token limit (0 = idle row).
+    row_ids [batch]: each row's draws use `row_keys(rng, row_ids)` folded with the step.
     Returns (state, tokens [batch, max_new] with NO_TOKEN after a row stops, n_generated [batch],
     stopped [batch] = ended on a stop token rather than on its budget).
     """
-    batch = budget.shape[0]
+    batch, keys = budget.shape[0], row_keys(rng, row_ids)
 
     def cond(carry):
         step, _, _, count, done, _ = carry
@@ -231,7 +238,7 @@ def decode(decoder: Decoder, state: DecodeState, stop_ids, budget, rng, max_new:
 
     def body(carry):
         step, st, tokens, count, done, stopped = carry
-        tok = sample_tokens(st.logits, jax.random.fold_in(rng, step), sampling)
+        tok = sample_tokens(st.logits, jax.vmap(jax.random.fold_in, (0, None))(keys, step), sampling)
         live = ~done
         tokens = tokens.at[:, step].set(jnp.where(live, tok, NO_TOKEN))
         st, _ = _extend(decoder, st, jnp.where(live, tok, 0)[:, None], live[:, None])
@@ -320,10 +327,12 @@ def on_mesh(array, mesh):
 def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
              sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
-             rows: int | None = None) -> list[list[int]]:
+             rows: int | None = None, row_ids: Sequence[int] | None = None) -> list[list[int]]:
     """Generates a continuation for each prompt (token ids); stop tokens are kept in the output.
 
     `stop_ids`: one list for all rows, or one list per row (e.g. EOS, `<EOK>`, source tokens).
+    `row_ids`: each prompt's id for its sampling key (`row_keys`; default its index in `prompts`):
+    a prompt sampled with the same rng and id draws the same text in any batch, on any device.
     Rows are split over the batch axes of the decoder's mesh (`placement`, `shard_decoder`).
     `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`).
     """
@@ -345,7 +354,12 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     budget = np.zeros(batch, np.int32)
     budget[:n] = max_new_tokens
     rng = jax.random.key(0) if rng is None else rng
+    ids = np.arange(batch, dtype=np.uint32)  # padding rows: ids past the prompts'
+    if row_ids is not None:
+        if len(row_ids) != n:
+            raise ValueError(f"generate: {len(row_ids)} row ids for {n} prompts")
+        ids[:n] = row_ids
     _, tokens, count, _ = decode(decoder, state, on_mesh(stop_matrix(stops, batch), mesh), on_mesh(budget, mesh),
-                                 rng, max_new=steps, sampling=sampling)
+                                 rng, on_mesh(ids, mesh), max_new=steps, sampling=sampling)
     tokens, count = np.asarray(tokens), np.asarray(count)
     return [tokens[i, : count[i]].tolist() for i in range(n)]

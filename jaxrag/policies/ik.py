@@ -16,6 +16,7 @@ shared with SeaKR and CCSK, which also look at what the model says without retri
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 
 import jax
@@ -54,17 +55,19 @@ def closed_book_generations(model: Model, questions: Sequence[str], max_new_toke
                             stop_ids: Sequence[int] | None = None, max_rows: int = 128) -> list[list[list[int]]]:
     """`samples` continuations of each question's closed-book prompt -> [question][sample] token
     ids (stop token kept, as `generate` returns them). Questions are batched so that one
-    `generate` call holds at most `max_rows` rows (questions x samples)."""
+    `generate` call holds at most `max_rows` rows (questions x samples); sample j of question q
+    draws with its own key (`sampler.row_keys`, from q's text and j), so it is the same in any
+    batch of questions and on any device."""
     prompts = closed_book_prompts(model, questions)
     stops = default_stop_ids(model) if stop_ids is None else list(stop_ids)
     rng = jax.random.key(0) if rng is None else rng
     per_call = max(1, max_rows // samples)
     out: list[list[list[int]]] = []
-    for call, start in enumerate(range(0, len(prompts), per_call)):
+    for start in range(0, len(prompts), per_call):
         chunk = prompts[start:start + per_call]
         rows = [p for p in chunk for _ in range(samples)]
-        gens = generate(model.decoder, rows, max_new_tokens, stop_ids=stops, sampling=sampling,
-                        rng=jax.random.fold_in(rng, call))
+        ids = [zlib.crc32(f"{q}\x00{j}".encode()) for q in questions[start:start + per_call] for j in range(samples)]
+        gens = generate(model.decoder, rows, max_new_tokens, stop_ids=stops, sampling=sampling, rng=rng, row_ids=ids)
         out += [gens[i * samples:(i + 1) * samples] for i in range(len(chunk))]
     return out
 
