@@ -296,11 +296,14 @@ def place_for_generation(decoder: Decoder, tensor: int = 0) -> tuple[Decoder, di
 
 
 def placement(decoder: Decoder):
-    """The mesh the decoder's parameters are placed on (`shard_decoder`); None when they are on
-    one device, where generation runs unsharded."""
+    """The mesh of this process's devices the decoder's parameters are placed on (`shard_decoder`,
+    `place_for_generation`), whose batch axes split a batch's rows. None when they are on one
+    device, or on a mesh that spans processes (the training mesh, which the embedded base's probe
+    generates with): the inputs are then whole on every process, and so are the outputs."""
     leaf = jax.tree.leaves(nnx.state(decoder, nnx.Param))[0]
     where = getattr(leaf, "sharding", None)
-    return where.mesh if isinstance(where, NamedSharding) and where.mesh.size > 1 else None
+    local = isinstance(where, NamedSharding) and where.is_fully_addressable and where.mesh.size > 1
+    return where.mesh if local else None
 
 
 def batch_rows(n: int, mesh=None, size: int | None = None) -> int:
