@@ -251,7 +251,7 @@ def test_an_interrupted_eval_resumes_after_the_last_model_it_finished(workdir, t
     assert sorted(p.name for p in (w / "eval_parts").iterdir()) == ["srrag.pkl"]
     monkeypatch.setattr(eval_stage, "load", load)
     decoded, routed_paths = [], harness.routed_paths
-    monkeypatch.setattr(harness, "routed_paths", lambda *a, **kw: decoded.append(a[-1]) or routed_paths(*a, **kw))
+    monkeypatch.setattr(harness, "routed_paths", lambda *a, **kw: decoded.append(a[5]) or routed_paths(*a, **kw))
     untuned, untuned_paths = [], harness.untuned_paths
     monkeypatch.setattr(harness, "untuned_paths", lambda *a, **kw: untuned.append(1) or untuned_paths(*a, **kw))
     eval_stage.eval_stage(mini_config(), w)

@@ -124,7 +124,7 @@ def test_each_process_runs_its_share(layouts):
     for i, (line, out) in enumerate(zip(lines, stdout)):
         assert line["placement"] == {"processes": 2, "devices_per_process": 2, "data": 2, "tensor": 1}
         assert f"datastore: process {i} of 2 computes batches" in out
-        assert f"srrag paths [<Wiki>]: process {i} of 2 computes batches" in out
+        assert f"srrag paths [wiki]: process {i} of 2 computes batches" in out
         assert set(line["seconds"]) == {"construct", "datastore", "baselines", "eval"}
     _, single, _ = layouts["1x4 tensor 2"]
     assert single[0]["placement"] == {"processes": 1, "devices_per_process": 4, "data": 2, "tensor": 2}
