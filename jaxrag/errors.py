@@ -18,6 +18,11 @@ class JaxragError(Exception):
 FAILURE_HOOKS: list[Callable[[str], None]] = []
 
 
+# Called before a CLI reports an unexpected error (not a JaxragError): `jaxrag.runtime.multihost`
+# adds one that leaves time for a lost peer to be reported instead (a collective fails at once).
+SETTLE_HOOKS: list[Callable[[], None]] = []
+
+
 def _report(message: str) -> None:
     for hook in FAILURE_HOOKS:
         hook(message)
@@ -36,6 +41,8 @@ def exit_code(main: Callable[[], object]) -> int:
         print("interrupted: nothing half-written was kept", file=sys.stderr)
         return 130
     except Exception as e:
+        for hook in SETTLE_HOOKS:
+            hook()
         _report(f"{type(e).__name__}: {e}")
         raise
     return 0

@@ -14,7 +14,7 @@ each process's own devices (`generation_mesh`): the same rules, `fsdp` 1, the mo
 them (`jaxrag.runtime.shares`). The KV cache is split by rows over `data` and by KV heads over
 `tensor` (`cache_sharding`).
 
-Multi-host: `jaxrag.runtime.multihost.initialize_distributed()` joins the job when launched on
+Multi-host: `jaxrag.runtime.join.initialize_distributed()` joins the job when launched on
 several hosts; each host
 then builds only the batch rows its own devices hold (`host_rows` / `global_batch`).
 """

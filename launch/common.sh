@@ -59,7 +59,7 @@ quote() {
   printf '%s\n' "${out# }"
 }
 
-# The environment that makes `jaxrag.runtime.multihost.initialize_distributed` join process I of N, whose
+# The environment that makes `jaxrag.runtime.join.initialize_distributed` join process I of N, whose
 # process 0 listens at COORDINATOR (host:port): what every multi-process launcher hands each process.
 process_env() {  # process_env COORDINATOR N I
   printf '%s\n' "JAX_COORDINATOR_ADDRESS=$1" "JAX_NUM_PROCESSES=$2" "JAX_PROCESS_ID=$3"

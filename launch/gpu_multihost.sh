@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Several GPU hosts: one jaxrag.train process per host, each using all of its host's GPUs.
-# jaxrag.runtime.multihost.initialize_distributed() joins the processes (jax.distributed.initialize).
+# jaxrag.runtime.join.initialize_distributed() joins the processes (jax.distributed.initialize).
 set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

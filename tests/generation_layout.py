@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxrag.runtime.multihost import initialize_distributed
+from jaxrag.runtime.join import initialize_distributed
 
 initialize_distributed()  # before any other JAX call
 

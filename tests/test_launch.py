@@ -133,7 +133,7 @@ def test_gpu_single():
 
 
 def test_gpu_single_inside_a_multi_task_sbatch_is_one_process():
-    from jaxrag.runtime.multihost import is_multihost_launch
+    from jaxrag.runtime.join import is_multihost_launch
 
     sbatch = {"SLURM_NTASKS": "4", "SLURM_JOB_ID": "12"}
     assert is_multihost_launch(sbatch) and not is_multihost_launch({**sbatch, "JAXRAG_DISTRIBUTED": "0"})

@@ -20,6 +20,7 @@ from multihost_fixtures import REPO, free_ports
 
 from jaxrag.errors import JaxragError
 from jaxrag.runtime import multihost
+from jaxrag.runtime import join
 
 STARTUP = 8  # JAXRAG_STARTUP_TIMEOUT of these launches, s
 TAIL = "see every host's log, then relaunch the same command on every host"
@@ -28,7 +29,7 @@ TAIL = "see every host's log, then relaunch the same command on every host"
 PROGRAM = """
 import os, sys
 from pathlib import Path
-from jaxrag.runtime.multihost import initialize_distributed
+from jaxrag.runtime.join import initialize_distributed
 initialize_distributed()
 import jax
 from types import SimpleNamespace
@@ -79,11 +80,13 @@ def killed(tmp_path_factory):
     root = tmp_path_factory.mktemp("startkill")
     out = {}
     zero, port0 = start(root / "a", "kill", processes=(0,))
-    both, _ = start(root / "b", "kill")
-    while not multihost._reachable(f"127.0.0.1:{port0}"):  # the coordinator is up, waiting for process 1
-        time.sleep(0.1)
+    both, port1 = start(root / "b", "kill", processes=(0,))
+    for port in (port0, port1):  # each coordinator is up, waiting for its process 1
+        while not join._reachable(f"127.0.0.1:{port}"):
+            time.sleep(0.1)
     zero[0].kill()
-    both[1].kill()
+    late, _ = start(root / "b", "kill", processes=(1,), port=port1)
+    late[1].kill()  # before its interpreter could even start: it never joins
     killed_at = time.monotonic()
     one, _ = start(root / "a", "kill", processes=(1,), port=port0)
     for victim, survivor in ((0, one[1]), (1, both[0])):
@@ -207,8 +210,8 @@ def test_a_pod_started_without_jaxrag_distributed_is_one_line(monkeypatch, tmp_p
 
 def test_the_coordinator_port_leaves_room_for_the_watchdogs():
     with pytest.raises(JaxragError, match=r"JAX_COORDINATOR_ADDRESS=h:65535: the port must be 1..65534"):
-        multihost.join("h:65535", 2, 0, {})
-    multihost.check_port("h:65534")
+        join.join("h:65535", 2, 0, {})
+    join.check_port("h:65534")
 
 
 def test_jax_waits_longer_than_the_start_up_timeout_and_the_watchdog(monkeypatch):
@@ -217,10 +220,10 @@ def test_jax_waits_longer_than_the_start_up_timeout_and_the_watchdog(monkeypatch
     so a blip JAX rides out does not stop a run)."""
     seen = {}
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
-    multihost.join("h:1234", 2, 1, {"JAXRAG_STARTUP_TIMEOUT": "30"})
-    assert seen["initialization_timeout"] > 30 and seen["heartbeat_timeout_seconds"] > multihost.SILENCE_S >= 100
+    join.join("h:1234", 2, 1, {"JAXRAG_STARTUP_TIMEOUT": "30"})
+    assert seen["initialization_timeout"] > 30 and seen["heartbeat_timeout_seconds"] > join.SILENCE_S >= 100
     with pytest.raises(JaxragError, match="JAXRAG_STARTUP_TIMEOUT='soon': must be a whole number of seconds"):
-        multihost.startup_timeout({"JAXRAG_STARTUP_TIMEOUT": "soon"})
+        join.startup_timeout({"JAXRAG_STARTUP_TIMEOUT": "soon"})
 
 
 def test_checkpoints_that_cannot_be_removed_are_named(tmp_path, monkeypatch, capsys):

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrag import sharding
-from jaxrag.runtime import multihost
+from jaxrag.runtime import join
 from jaxrag.errors import JaxragError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,13 +40,13 @@ def test_single_device_mesh_and_multihost_detection():
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
     assert list(sharding.host_rows(mesh, 4)) == [0, 1, 2, 3]
-    assert not multihost.is_multihost_launch({})
-    assert not multihost.is_multihost_launch({"SLURM_NTASKS": "1", "TPU_WORKER_HOSTNAMES": "localhost"})
-    assert multihost.is_multihost_launch({"SLURM_NTASKS": "4"})
-    assert multihost.is_multihost_launch({"TPU_WORKER_HOSTNAMES": "w0,w1"})
-    assert multihost.is_multihost_launch({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
-    assert multihost.is_multihost_launch({"JAXRAG_DISTRIBUTED": "1"})
-    assert not multihost.initialize_distributed({})  # single host: nothing to join
+    assert not join.is_multihost_launch({})
+    assert not join.is_multihost_launch({"SLURM_NTASKS": "1", "TPU_WORKER_HOSTNAMES": "localhost"})
+    assert join.is_multihost_launch({"SLURM_NTASKS": "4"})
+    assert join.is_multihost_launch({"TPU_WORKER_HOSTNAMES": "w0,w1"})
+    assert join.is_multihost_launch({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
+    assert join.is_multihost_launch({"JAXRAG_DISTRIBUTED": "1"})
+    assert not join.initialize_distributed({})  # single host: nothing to join
 
 
 def test_on_8_fake_cpu_devices():

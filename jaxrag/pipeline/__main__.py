@@ -26,7 +26,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines would bury the progress
     # jax loads here, after reuse_cpu_temporaries() above and once the flags have parsed
     from jaxrag.pipeline import run as pipeline
-    from jaxrag.runtime.multihost import initialize_distributed
+    from jaxrag.runtime.join import initialize_distributed
 
     initialize_distributed()
     run(lambda: pipeline.run(_CONFIG.value, _WORKDIR.value, user_set=_CONFIG.user_set))

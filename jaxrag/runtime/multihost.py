@@ -16,8 +16,7 @@ of JAX's runtime (`jax.distributed`) the pipeline adds:
 - `agree_on_plan`: every process plans the same stages (each decides from its own view of the
   workdir what is done; a shared filesystem's caches can make the views differ).
 - `barrier`: every process reaches a point before any goes on (before and after each stage).
-- `join`: `jax.distributed.initialize` within a start-up timeout (`JAXRAG_STARTUP_TIMEOUT`, default
-  300 s), a process that cannot join stopping with one line.
+- joining the run is `jaxrag.runtime.join`'s (`initialize_distributed`, first thing in a process).
 
 In a single-process run every function here is a no-op, but the workdir's rename probe
 (`check_renames`). `python -m jaxrag.runtime.multihost --workdir DIR` (the launchers' `--check`)
@@ -33,11 +32,9 @@ import importlib.metadata
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Mapping
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,57 +42,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxrag.errors import FAILURE_HOOKS, JaxragError, run
+from jaxrag.errors import FAILURE_HOOKS, SETTLE_HOOKS, JaxragError, run
+from jaxrag.runtime import join
+from jaxrag.runtime.join import SILENCE_S, check_port, startup_timeout
 
-# A peer whose heartbeat stalls this long is lost: JAX's own default, so that a network blip JAX
-# rides out does not stop a run; JAX's heartbeat is given longer (`join`), so that this line comes first.
-SILENCE_S = 100.0
-STARTUP_TIMEOUT_S = 300  # default of JAXRAG_STARTUP_TIMEOUT: joining, and the checks at start
 PACKAGES = ("jax", "jaxlib", "flax", "orbax-checkpoint")  # compared at start, with jaxrag's source
 BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000  # a barrier outwaits any stage: a lost peer is the watchdog's
 _PREFIX = "jaxrag"
 _watchdog: dict[str, subprocess.Popen] = {}
-
-
-def is_multihost_launch(env: Mapping[str, str] = os.environ) -> bool:
-    """True when the launcher started several processes: JAXRAG_DISTRIBUTED=1 (explicit
-    opt-in, e.g. on a TPU pod slice), JAX_COORDINATOR_ADDRESS, SLURM, Open MPI, or
-    TPU_WORKER_HOSTNAMES listing several workers. JAXRAG_DISTRIBUTED=0 is one process whatever
-    the environment says (launch/gpu_single.sh: inside an sbatch of several tasks, SLURM_NTASKS
-    describes the job, not this process)."""
-    def count(name):
-        try:
-            return int(env.get(name, "1"))
-        except ValueError:
-            return 1
-    if env.get("JAXRAG_DISTRIBUTED") == "0":
-        return False
-    return env.get("JAXRAG_DISTRIBUTED") == "1" or bool(env.get("JAX_COORDINATOR_ADDRESS")) \
-        or count("SLURM_NTASKS") > 1 \
-        or count("OMPI_COMM_WORLD_SIZE") > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", "")
-
-
-def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
-    """Calls `jax.distributed.initialize()` once on multi-host launches; must run before any other
-    JAX call. JAX_NUM_PROCESSES / JAX_PROCESS_ID override cluster auto-detection. On CPU devices
-    the processes' collectives go over gloo (TCP), as on one machine running several processes.
-    Joining is bounded by JAXRAG_STARTUP_TIMEOUT (`join`); a process that
-    cannot join exits with one `error:` line and status 2."""
-    if not is_multihost_launch(env) or jax.distributed.is_initialized():
-        return False
-    num = env.get("JAX_NUM_PROCESSES")
-    pid = env.get("JAX_PROCESS_ID")
-    if env.get("JAX_PLATFORMS") == "cpu":  # CPU devices of several processes: collectives over TCP
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        for name, value in (("JAX_NUM_PROCESSES", num), ("JAX_PROCESS_ID", pid)):
-            if value is not None and not value.isdigit():
-                raise JaxragError(f"{name}={value!r}: must be a whole number")
-        join(env.get("JAX_COORDINATOR_ADDRESS"), int(num) if num else None, int(pid) if pid else None, env)
-    except JaxragError as e:  # before the CLI's own error handling: one line, not a traceback
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    return True
 
 
 def is_multiprocess() -> bool:
@@ -105,66 +59,6 @@ def is_multiprocess() -> bool:
 def is_leader() -> bool:
     """Process 0 writes every shared file; the others compute beside it and write nothing."""
     return jax.process_index() == 0
-
-
-def startup_timeout(env=os.environ) -> int:
-    """Seconds every process has to join the run and pass the start checks (JAXRAG_STARTUP_TIMEOUT)."""
-    value = env.get("JAXRAG_STARTUP_TIMEOUT", str(STARTUP_TIMEOUT_S))
-    if not value.isdigit() or int(value) < 1:
-        raise JaxragError(f"JAXRAG_STARTUP_TIMEOUT={value!r}: must be a whole number of seconds "
-                          f"(default {STARTUP_TIMEOUT_S})")
-    return int(value)
-
-
-def check_port(address: str, variable: str = "JAX_COORDINATOR_ADDRESS") -> None:
-    """The coordinator's port P: its watchdogs' hub listens at P + 1, so P must be below 65535."""
-    _, _, port = address.rpartition(":")
-    if not port.isdigit() or not 0 < int(port) < 65535:
-        raise JaxragError(f"{variable}={address}: the port must be 1..65534 (the run's watchdogs listen "
-                          "one port above it); pick another port")
-
-
-def join(address: str | None, processes: int | None, process: int | None, env=os.environ) -> None:
-    """`jax.distributed.initialize`, or one line and exit status 2 when this process cannot join
-    within `startup_timeout()`: JAX would wait its own 300 s, then abort with a C++ stack dump.
-    A timer thread watches the join (JAX's connect releases the GIL); JAX's own timeouts are set
-    beyond ours (its heartbeat also beyond the watchdog's `SILENCE_S`), so our line comes first."""
-    timeout = startup_timeout(env)
-    if address:
-        check_port(address)
-    who = "process" if process is None else f"process {process} of {processes}"
-
-    def give_up():
-        where = address or "the address JAX found"
-        up = _reachable(address) if address else False
-        why = ("its coordinator is up but not every process joined: a host did not start the command, or "
-               "failed or was killed at start" if up else "the coordinator (process 0) is not listening there: "
-               "it did not start, died, or the address or port is unreachable from this host")
-        print(f"\nerror: {who} could not join the run at {where} within {timeout} s (JAXRAG_STARTUP_TIMEOUT): "
-              f"{why}; see every host's log, then relaunch the same command on every host", file=sys.stderr, flush=True)
-        os._exit(2)
-
-    timer = threading.Timer(timeout, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        jax.distributed.initialize(coordinator_address=address, num_processes=processes, process_id=process,
-                                   initialization_timeout=timeout + 60,
-                                   heartbeat_timeout_seconds=int(max(2 * SILENCE_S, timeout + 60)))
-    except (ValueError, TypeError, RuntimeError) as e:  # no cluster found, bad values: before any wait
-        raise JaxragError(f"{who} could not start jax.distributed ({e}): set JAX_COORDINATOR_ADDRESS, "
-                          "JAX_NUM_PROCESSES and JAX_PROCESS_ID (launch/gpu_multihost.sh env prints them)") from None
-    finally:
-        timer.cancel()
-
-
-def _reachable(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=3):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 def _client():
@@ -220,6 +114,10 @@ def start_watchdog() -> None:
          "--join", str(startup_timeout())],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     FAILURE_HOOKS.append(report_failure)
+    SETTLE_HOOKS.append(settle)
+    if (coordinator := join.coordinator_child()) is not None:  # from now on a loss is reported: it may outlive us
+        coordinator.stdin.write(b"watched\n")
+        coordinator.stdin.flush()
 
 
 def finish() -> None:
@@ -227,6 +125,18 @@ def finish() -> None:
     if is_multiprocess():
         barrier("finished")
         _tell("finished")
+
+
+# How long a process whose code raised waits before it reports the error itself: an error raised
+# in a collective whose peer died is that loss, which this process's watchdog reports (one line,
+# then it stops the process) within a few seconds.
+SETTLE_S = 8.0
+
+
+def settle() -> None:
+    """Before this process reports an unexpected error: time for its watchdog to report a lost peer
+    instead (which stops this process), since a collective fails as soon as a peer is gone."""
+    time.sleep(SETTLE_S)
 
 
 def report_failure(message: str) -> None:
@@ -448,7 +358,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxrag.runtime.multihost")
     parser.add_argument("--workdir", required=True, help="the run's workdir (shared by every host)")
     args = parser.parse_args(argv)
-    multihost.initialize_distributed()
+    join.initialize_distributed()
 
     def check():
         multihost.agree_at_start({}, {}, Path(args.workdir))

@@ -10,7 +10,7 @@ Workdir: checkpoints/ (orbax, while it trains), metrics.jsonl, tensorboard/, mod
 jaxrag format); stage 2 also ref_logprobs.npy (the frozen reference's log p(c_i+|q), log p(c_i-|q)).
 `records` is a construct-stage JSONL path or a list of records; `texts` a list of documents or
 a function epoch -> documents. On multi-host launches call
-`jaxrag.runtime.multihost.initialize_distributed()` first, before any other JAX call.
+`jaxrag.runtime.join.initialize_distributed()` first, before any other JAX call.
 """
 
 from __future__ import annotations
