@@ -34,7 +34,7 @@ _calls = [0]  # map_shared calls in this run: every process makes them in the sa
 
 
 def share(n: int, process: int, processes: int) -> range:
-    """Process `process`'s contiguous block of `n` chunks (the first blocks one larger)."""
+    """Process `process`'s contiguous block of `n` chunks (block sizes differ by at most one)."""
     return range(process * n // processes, (process + 1) * n // processes)
 
 
