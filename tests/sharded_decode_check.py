@@ -3,7 +3,8 @@ on meshes (8,1,1), (2,2,2) and (1,2,4), in training's stacked layout and in the 
 layout (`for_inference`), and routed inference on (2,2,2), equal the single-device results; the
 generation placement with a model axis of 2 (data 4 x tensor 2) compiles a decode step in which
 every device holds half of each weight matrix split over heads / MLP / vocab and half of the
-cache's KV heads, and generates what one device does."""
+cache's KV heads, and generates what one device does; the server's engine on that placement
+answers what `SRRAG.ask` answers on one device, and compiles nothing once it serves."""
 
 import os
 import sys
@@ -27,6 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxrag.decode import sampler, slots  # noqa: E402
 from jaxrag.decode.sampler import generate, place_for_generation, shard_decoder  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
 from jaxrag.sharding import make_mesh  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [99, 3, 120]]
@@ -101,3 +104,40 @@ if __name__ == "__main__":
     assert got == serve_one(for_inference(model).decoder)[1] == generate(model.decoder, PROMPTS[1:2], 10)[0], got
     assert pool.cache[0].k.sharding.shard_shape(pool.cache[0].k.shape)[:2] == (2, 1), pool.cache[0].k.sharding
     print("slot pool placement ok")
+
+    # The server's engine (`jaxrag.serve`) with the model placed on data 4 x tensor 2: each
+    # answer is what one device routes, and nothing compiles once it serves.
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from benchmarks.serve import tiny_export, tiny_questions
+    from jaxrag.serve import SRRAG
+    from jaxrag.serve.engine import Engine
+    from jaxrag.serve.jobs import Job, Options
+
+    export = tiny_export(Path(tempfile.mkdtemp()))
+    system = SRRAG.load(export, tensor=2)
+    engine = Engine(system, slots=4, max_queue=16, max_question_tokens=64)
+    engine.warm_up()
+    engine.start()
+    questions, answers, all_done = tiny_questions(6, 5), {}, threading.Event()
+
+    def listener(i):
+        def heard(kind, value):
+            if kind in ("done", "error"):
+                answers[i] = (kind, value)
+                if len(answers) == len(questions):
+                    all_done.set()
+        return heard
+
+    engine.submit([Job(q, engine.prompt(q), Options(), listener(i)) for i, q in enumerate(questions)])
+    assert all_done.wait(600)
+    engine.stop()
+    assert engine.metrics.counted["serving"] == 0, engine.metrics.counted
+    assert engine.pool.cache[0].k.sharding.spec == P("data", "tensor"), engine.pool.cache[0].k.sharding
+    alone = dataclasses.replace(system, model=jaxrag.load_model(export, inference=True)).ask(questions)
+    assert all(kind == "done" for kind, _ in answers.values()), answers
+    assert [(answers[i][1].routed.source, answers[i][1].routed.answer) for i in range(len(questions))] == \
+        [(r.source, r.answer) for r in alone]
+    print("served placement ok")

@@ -8,9 +8,9 @@ only), and the children keep in touch over TCP: process 0's child is the hub (it
 send a heartbeat every second. The hub knows a peer is lost when its connection closes before the
 peer said it finished, when its heartbeat stops for `--silence` seconds (JAX's own heartbeat
 timeout, 100 s: a network blip shorter than that is ridden out), when it never connected within
-`--join` seconds (the start-up timeout), or when the peer reports its own failure; it tells every child, and a child that learns of a loss, or whose hub is gone,
-prints one line naming the lost process and its parent's stage, and kills its parent (which may
-be deaf to anything gentler).
+`--join` seconds (the start-up timeout), or when the peer reports its own failure; it tells
+every child, and a child that learns of a loss, or whose hub is gone, prints one line naming the
+lost process and its parent's stage, and kills its parent (which may be deaf to anything gentler).
 
 The parent talks to its child through the child's stdin, one line at a time:
 `stage NAME`, `failed MESSAGE`, `finished`.
