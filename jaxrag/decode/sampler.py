@@ -114,7 +114,7 @@ def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
     rows = batch_sharding(mesh) if batch % data_parallel_size(mesh) == 0 else whole  # one row: on every device
     layer = LayerCache(*(sharding.cache_sharding(mesh, x.shape) for x in shapes.cache[0]))
     out = DecodeState(tuple(layer for _ in shapes.cache), rows, rows, whole, rows)
-    return jax.jit(lambda: _zero_state(decoder, batch, slots), out_shardings=out)()
+    return jax.tree.map(lambda x, where: jnp.zeros(x.shape, x.dtype, device=where), shapes, out)
 
 
 def _extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer=None):

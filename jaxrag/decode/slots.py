@@ -68,7 +68,7 @@ def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
     rows = batch_sharding(mesh)
     layer = LayerCache(*(cache_sharding(mesh, x.shape) for x in shapes.cache[0]))
     out = SlotPool(tuple(layer for _ in shapes.cache), rows, rows, rows, rows)
-    return jax.jit(lambda: _zero_pool(decoder, slots, length), out_shardings=out)()
+    return jax.tree.map(lambda x, where: jnp.zeros(x.shape, x.dtype, device=where), shapes, out)
 
 
 def _rows(pool: SlotPool) -> DecodeState:

@@ -201,18 +201,6 @@ def device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def kv_cache_sharding(mesh, shape: tuple[int, ...], rows: int, kv_heads: int):
-    """A KV-cache buffer of `rows` rows placed as the sampler places it: `sharding.cache_sharding`
-    (rows over the batch axes, heads over `tensor`); a buffer with rows and heads on one axis
-    [rows * kv_heads, slots, head_dim] is split along it over both (the same bytes per device)."""
-    if len(shape) != 3 or shape[0] != rows * kv_heads:
-        return sharding.cache_sharding(mesh, shape)
-    axes = (*sharding.BATCH_AXES, "tensor")
-    if shape[0] % math.prod(mesh.shape[a] for a in axes):
-        axes = sharding.BATCH_AXES
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
-
-
 def generation_programs(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> list[Program]:
     """Construct's generation and likelihood scoring and routed decoding, each on `mesh` (one
     process's generation mesh) at the config's per-process batch sizes; `calls` over all processes."""
@@ -236,7 +224,7 @@ def generation_programs(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> li
             init_cache(inf_cfg, rows, slots, dtype), jnp.zeros((rows, slots), bool), jnp.zeros((rows,), i32),
             jnp.zeros((), i32), jnp.zeros((rows, dec_cfg.padded_vocab_size), f32)))
         bs, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-        cache_sh = jax.tree.map(lambda x: kv_cache_sharding(mesh, x.shape, rows, inf_cfg.num_kv_heads), state.cache)
+        cache_sh = jax.tree.map(lambda x: sharding.cache_sharding(mesh, x.shape), state.cache)
         state_sh = sampler.DecodeState(cache_sh, bs, bs, rep, bs)
         abstract_state = _abstract(state, state_sh)
         inputs = _batch(mesh, ids=((rows, chunk), i32), mask=((rows, chunk), bool))
