@@ -1,13 +1,11 @@
-"""Run by tests/test_placement.py, as one process or several: reruns the generation stages of a
-trained miniature workdir (construct, the datastore, the baselines' datastores, eval) with the
-real stage functions, on this process's devices, the model split over `--tensor` of them.
+"""Run by tests/test_placement.py: reruns the generation stages of a trained miniature workdir
+(construct, the datastore, the baselines' datastores, eval) with the real stage functions, on
+this process's devices (XLA_FLAGS sets how many).
 
-    python tests/generation_layout.py WORKDIR TENSOR
+    python tests/generation_layout.py WORKDIR
 
-Several processes join as a pod's do (JAXRAG_DISTRIBUTED=1 and JAX_COORDINATOR_ADDRESS /
-JAX_NUM_PROCESSES / JAX_PROCESS_ID, gloo collectives). Process 0 first removes the stages'
-outputs; every stage ends at a barrier, as in the runner. Each process prints one JSON line:
-{"process": I, "placement": {...}, "seconds": {stage: s}}.
+It first removes the stages' outputs, and ends with one JSON line:
+{"placement": {...}, "seconds": {stage: s}}.
 """
 
 from __future__ import annotations
@@ -18,12 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-from jaxrag.runtime.join import initialize_distributed
-
-initialize_distributed()  # before any other JAX call
-
-import jax  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
 from pipeline_fixtures import mini_config  # noqa: E402
 
@@ -31,7 +23,6 @@ from jaxrag.pipeline import workdir as workdir_mod  # noqa: E402
 from jaxrag.pipeline.construct import construct_stage  # noqa: E402
 from jaxrag.pipeline.datastore import build_policy_datastore, datastore_stage  # noqa: E402
 from jaxrag.pipeline.eval import eval_stage  # noqa: E402
-from jaxrag.runtime import multihost  # noqa: E402
 from jaxrag.train.stages import FINAL  # noqa: E402
 
 OUTPUTS = ("construct", "datastore", "baselines/no_kv_label_datastore", "baselines/no_dpo_datastore",
@@ -39,14 +30,11 @@ OUTPUTS = ("construct", "datastore", "baselines/no_kv_label_datastore", "baselin
 ABLATIONS = ("no_kv_label", "no_dpo")
 
 
-def main(workdir: Path, tensor: int) -> None:
+def main(workdir: Path) -> None:
     cfg = mini_config()
-    cfg.generation.tensor = tensor
-    if multihost.is_leader():
-        for rel in OUTPUTS:
-            path = workdir / rel
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    multihost.barrier("removed")
+    for rel in OUTPUTS:
+        path = workdir / rel
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     seconds = {}
 
     def baselines_datastores(cfg, workdir):
@@ -54,17 +42,15 @@ def main(workdir: Path, tensor: int) -> None:
         for name in ABLATIONS:
             build_policy_datastore(cfg, workdir / "baselines" / name / FINAL, records,
                                    workdir / "baselines" / f"{name}_datastore")
-            multihost.barrier(f"baselines:{name}")
 
     for name, stage in (("construct", construct_stage), ("datastore", datastore_stage),
                         ("baselines", baselines_datastores), ("eval", eval_stage)):
         start = time.perf_counter()
         stage(cfg, workdir)
-        multihost.barrier(f"{name}:done")
         seconds[name] = round(time.perf_counter() - start, 1)
-    print(json.dumps({"process": jax.process_index(), "placement": workdir_mod.PLACEMENT, "seconds": seconds}),
+    print(json.dumps({"placement": workdir_mod.PLACEMENT, "seconds": seconds}),
           flush=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]))

@@ -6,7 +6,9 @@ during construct and again during a training stage, stop the other within 60 s w
 the same launch then resumes to those results; a process started differently is refused at start.
 
 The mesh (data=1, fsdp=4) splits every parameter across the two processes, so every training
-step's collectives (and DPO's reference scoring, the base probe's generation) cross them."""
+step's collectives (and DPO's reference scoring, the base probe's generation) cross them. The
+generation stages place the model on each process's own 2 devices, split over the model axis
+(`generation.tensor=2`), and each process computes its share of the questions."""
 
 import json
 import os
@@ -25,6 +27,7 @@ from multihost_fixtures import (REPO, audit_writes, audited_env, free_ports, kil
 from pipeline_fixtures import file_digests
 
 import jaxrag
+from jaxrag.retrieval.datastore import PolicyDatastore
 
 LOST = "error: process {} of 2 was lost during stage '{}'; this process stops too. Relaunch the same command to resume"
 # Float fields of results.json may differ in their last bits: the two runs' training steps are one
@@ -34,6 +37,10 @@ LOST = "error: process {} of 2 was lost during stage '{}'; this process stops to
 # scores tie within that rounding; the thresholds fitted on those scores moved by up to 4.4e-8 when
 # this was measured.
 ATOL = 1e-6
+# The launches split the generation model over each process's 2 devices (a model axis: the
+# single process's run has one copy per device), so the generation side is checked on both
+# placements in one run (tests/test_placement.py reruns it on one device).
+TENSOR = ("--config.generation.tensor=2",)
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +71,10 @@ def runs(request, tmp_path_factory):
         survivor = 1 - victim
         start = len(log(two, survivor))
         ready = ready or running(stage)
-        kills[stage, victim] = kill_during(launch(two, root / "audit-two"), two, root / "audit-two", ready, victim)
+        kills[stage, victim] = kill_during(launch(two, root / "audit-two", extra=TENSOR), two, root / "audit-two", ready,
+                                           victim)
         kills[stage, victim]["survivor_log"] = log(two, survivor)[start:]
-    resumed = launch(two, root / "audit-two")
+    resumed = launch(two, root / "audit-two", extra=TENSOR)
     out, err = resumed.communicate(timeout=3600)
     assert resumed.returncode == 0, err[-2000:] + log(two, 0)[-3000:]
     return request.getfixturevalue("quickstart")[0], two, kills, root
@@ -79,6 +87,8 @@ def results(workdir):
 def test_results_are_the_single_process_results(runs):
     one, two, _, _ = runs
     r1, r2 = results(one), results(two)
+    assert (r1["config"]["generation"], r2["config"]["generation"]) == ({"tensor": 0}, {"tensor": 2})
+    r2["config"]["generation"] = r1["config"]["generation"]  # where the model was placed: neutral
     same_results(r1, r2, ATOL)
     assert (two / "report.md").is_file() and (two / "export" / "srrag.json").is_file()
 
@@ -108,6 +118,37 @@ def test_the_export_loads_in_transformers_with_our_logits(runs):
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours.logits([ids])), want, atol=1e-4)
+
+
+def test_each_process_splits_the_generation_model_over_its_devices(runs):
+    """`generation.tensor=2`: each process places the generation model on its own 2 devices, split
+    over the model axis (data 1 x tensor 2); each generation stage records it, and each process's
+    log says it."""
+    _, two, _, _ = runs
+    for stage in ("construct", "datastore", "baselines", "eval"):
+        placement = json.loads((two / "inputs" / f"{stage}.json").read_text())["placement"]
+        assert placement == {"processes": 2, "devices_per_process": 2, "data": 1, "tensor": 2}, stage
+    for i in (0, 1):
+        assert f"generation: process {i} of 2, 2 devices: data 1 x tensor 2" in log(two, i)
+
+
+def test_each_process_computes_its_share_of_the_datastores_and_eval(runs):
+    """Each process's log names the batches it computes (jaxrag/runtime/shares.py; the write audit
+    below checks that each wrote its spool)."""
+    _, two, _, _ = runs
+    for i in (0, 1):
+        text = log(two, i)
+        for loop in ("datastore", "srrag paths [wiki]", "srrag paths [self]", "srrag decisions"):
+            assert f"{loop}: process {i} of 2 computes batches" in text, (i, loop)
+
+
+def test_the_datastores_are_the_single_process_ones(runs):
+    """Keys within the float32 rounding of the trained weights and of the model split in two."""
+    one, two, _, _ = runs
+    for rel in ("datastore", "baselines/no_kv_label_datastore", "baselines/no_dpo_datastore"):
+        want, got = PolicyDatastore.load(one / rel), PolicyDatastore.load(two / rel)
+        assert [(e.question_id, e.source) for e in got.entries] == [(e.question_id, e.source) for e in want.entries]
+        np.testing.assert_allclose(got.keys(), want.keys(), atol=1e-4, err_msg=rel)
 
 
 def test_every_file_is_written_by_one_process(runs):
