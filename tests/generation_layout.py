@@ -48,8 +48,7 @@ def main(workdir: Path) -> None:
         start = time.perf_counter()
         stage(cfg, workdir)
         seconds[name] = round(time.perf_counter() - start, 1)
-    print(json.dumps({"placement": workdir_mod.PLACEMENT, "seconds": seconds}),
-          flush=True)
+    print(json.dumps({"placement": workdir_mod.PLACEMENT, "seconds": seconds}), flush=True)
 
 
 if __name__ == "__main__":
