@@ -35,8 +35,7 @@ def one_device(quickstart, tmp_path_factory) -> tuple[Path, dict]:
     """(the rerun's workdir, its JSON line)."""
     workdir = tmp_path_factory.mktemp("one_device") / "run"
     shutil.copytree(quickstart[0], workdir, ignore=shutil.ignore_patterns("logs"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{MINI_XLA_FLAGS} --xla_force_host_platform_device_count=1")
     proc = subprocess.run([sys.executable, str(SCRIPT), str(workdir)], cwd=REPO, text=True,
                           capture_output=True, env=env, timeout=1500)

@@ -112,9 +112,19 @@ def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
     shapes = jax.eval_shape(lambda: _zero_state(decoder, batch, slots))
     whole = sharding.replicated(mesh)
     rows = batch_sharding(mesh) if batch % data_parallel_size(mesh) == 0 else whole  # one row: on every device
-    layer = LayerCache(*(sharding.cache_sharding(mesh, x.shape) for x in shapes.cache[0]))
-    out = DecodeState(tuple(layer for _ in shapes.cache), rows, rows, whole, rows)
-    return jax.tree.map(lambda x, where: jnp.zeros(x.shape, x.dtype, device=where), shapes, out)
+    return zeros_on(shapes, DecodeState(cache_shardings(mesh, shapes.cache), rows, rows, whole, rows))
+
+
+def cache_shardings(mesh, cache) -> tuple:
+    """Where each layer's cache buffers (shapes of `cache`) go: `sharding.cache_sharding`."""
+    layer = LayerCache(*(sharding.cache_sharding(mesh, x.shape) for x in cache[0]))
+    return tuple(layer for _ in cache)
+
+
+def zeros_on(shapes, shardings):
+    """Zeros of each leaf's shape and dtype, created on its sharding's devices (nothing compiled,
+    and no device holds more than its shard)."""
+    return jax.tree.map(lambda x, where: jnp.zeros(x.shape, x.dtype, device=where), shapes, shardings)
 
 
 def _extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer=None):

@@ -31,11 +31,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, nucleus, placement
+from jaxrag.decode.sampler import (NO_TOKEN, DecodeState, _extend, cache_shardings, init_state, nucleus, placement,
+                                   zeros_on)
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import Decoder, init_cache
 from jaxrag.models.kv_cache import KVCache, LayerCache
-from jaxrag.sharding import batch_sharding, cache_sharding, data_parallel_size
+from jaxrag.sharding import batch_sharding, data_parallel_size
 
 
 class SlotPool(NamedTuple):
@@ -66,9 +67,7 @@ def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
                           "devices), each of which holds its share of the slots")
     shapes = jax.eval_shape(lambda: _zero_pool(decoder, slots, length))
     rows = batch_sharding(mesh)
-    layer = LayerCache(*(cache_sharding(mesh, x.shape) for x in shapes.cache[0]))
-    out = SlotPool(tuple(layer for _ in shapes.cache), rows, rows, rows, rows)
-    return jax.tree.map(lambda x, where: jnp.zeros(x.shape, x.dtype, device=where), shapes, out)
+    return zeros_on(shapes, SlotPool(cache_shardings(mesh, shapes.cache), rows, rows, rows, rows))
 
 
 def _rows(pool: SlotPool) -> DecodeState:
