@@ -9,7 +9,9 @@ answers what `SRRAG.ask` answers on one device, and compiles nothing once it ser
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# Every program here is compared with another of this process only, so all compile with the
+# miniature pipeline's lower optimization level (tests/pipeline_fixtures.py: MINI_XLA_FLAGS).
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -133,13 +133,19 @@ def test_each_process_splits_the_generation_model_over_its_devices(runs):
 
 
 def test_each_process_computes_its_share_of_the_datastores_and_eval(runs):
-    """Each process's log names the batches it computes (jaxrag/runtime/shares.py; the write audit
-    below checks that each wrote its spool)."""
+    """Each process's log names the batches it computes of the datastore and of eval's retrieval
+    (jaxrag/runtime/shares.py; the write audit below checks that each wrote its spool), and the
+    eval units it runs: each unit on one process, SR-RAG's (the costliest: its model's methods and
+    the seeds' selectors) alone on process 0, the four others on process 1."""
     _, two, _, _ = runs
+    runs_units = {}
     for i in (0, 1):
         text = log(two, i)
-        for loop in ("datastore", "srrag paths [wiki]", "srrag paths [self]", "srrag decisions"):
+        for loop in ("datastore", "retrieve"):
             assert f"{loop}: process {i} of 2 computes batches" in text, (i, loop)
+        runs_units[i] = re.findall(rf"eval: process {i} of 2 runs (\w+)$", text, re.M)
+    assert runs_units == {0: ["srrag"], 1: ["untuned", "selective", "no_dpo", "no_kv_label"]}
+    assert "srrag paths [wiki]: process" not in log(two, 0)  # a unit on one process maps its batches in place
 
 
 def test_the_datastores_are_the_single_process_ones(runs):
@@ -161,10 +167,11 @@ def test_every_file_is_written_by_one_process(runs):
     assert any(p.startswith("construct/shard-") for p in writers)
     shared = {p: w for p, w in writers.items() if len(w) > 1 and ".orbax-checkpoint-tmp" not in p}
     assert not shared, shared
-    # process 1 wrote no file of its own outside orbax's but its construct shards and its shares of
-    # the datastores' and eval's batches (jaxrag/runtime/shares.py), which process 0 read
+    # process 1 wrote no file of its own outside orbax's but its construct shards, its shares of
+    # the datastores' and eval's batches (jaxrag/runtime/shares.py) and its eval units' parts
+    # (W/eval_parts/<unit>.pkl), which process 0 read
     spools = ("datastore.shares/", "baselines/no_kv_label_datastore.shares/", "baselines/no_dpo_datastore.shares/",
-              "eval_parts/shares/")
+              "eval_parts/")
     assert not [p for p, w in writers.items() if w == {"1"} and ".orbax-checkpoint-tmp" not in p
                 and not p.startswith(("construct/", *spools))]
     for spool in spools:  # every process computed its share

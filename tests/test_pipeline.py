@@ -226,9 +226,9 @@ def test_tau_is_chosen_on_validation_before_the_first_eval(workdir, tmp_path):
         tau.main([str(w)])
 
 
-def test_an_interrupted_eval_resumes_after_the_last_model_it_finished(workdir, tmp_path, monkeypatch):
-    """Killed while loading the third fine-tuned model, the eval has kept the state after the
-    second (W/eval_parts/srrag.pkl); the rerun decodes only the models after it, and its results
+def test_an_interrupted_eval_resumes_with_the_models_it_finished(workdir, tmp_path, monkeypatch):
+    """Killed while loading the third fine-tuned model, the eval has kept the state of each unit
+    it finished (W/eval_parts/<unit>.pkl); the rerun decodes only the models after them, and its results
     equal an uninterrupted eval's on another copy, in this process (the same programs and XLA flags;
     the quickstart's run compiles with the miniature pipeline's flags, this process with the suite's)."""
     from jaxrag.eval import harness
@@ -248,7 +248,7 @@ def test_an_interrupted_eval_resumes_after_the_last_model_it_finished(workdir, t
     monkeypatch.setattr(eval_stage, "load", killed_at_no_dpo)
     with pytest.raises(KeyboardInterrupt):
         eval_stage.eval_stage(mini_config(), w)
-    assert sorted(p.name for p in (w / "eval_parts").iterdir()) == ["srrag.pkl"]
+    assert sorted(p.name for p in (w / "eval_parts").iterdir()) == ["selective.pkl", "srrag.pkl", "untuned.pkl"]
     monkeypatch.setattr(eval_stage, "load", load)
     decoded, routed_paths = [], harness.routed_paths
     monkeypatch.setattr(harness, "routed_paths", lambda *a, **kw: decoded.append(a[5]) or routed_paths(*a, **kw))

@@ -80,7 +80,7 @@ PROTOCOLS = ("paper", "validation")
 class Evaluation:
     """Runs every method's decisions and collects the results.json schema."""
 
-    def __init__(self, cfg: ConfigDict, selectors: SeedSelectors, mapper: harness.Mapper | None = None):
+    def __init__(self, cfg: ConfigDict, selectors: SeedSelectors | None, mapper: harness.Mapper | None = None):
         self.cfg, self.selectors, self.mapper = cfg, selectors, mapper  # mapper: how batches are mapped (harness)
         self.protocol = str(cfg.eval.thresholds)
         if self.protocol not in PROTOCOLS:

@@ -7,12 +7,14 @@ the seeds' selectors on the training questions, and writes the results."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 from ml_collections import ConfigDict
 from tqdm.auto import tqdm
@@ -49,68 +51,111 @@ MODELS = {
 
 
 def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
-    """On every process: each decodes its share of every loop's batches (`shares.map_shared`,
-    spooled under `W/eval_parts/shares`), and process 0 writes the results."""
+    """On every process: the evaluation's units (`UNITS`) are placed on the processes by their
+    cost (`shares.groups`); each process runs its units, a unit's batches shared by the processes
+    of its group (`shares.map_shared`, spooled under `W/eval_parts/shares`), and saves each unit's
+    state (`save_part`); process 0 merges them in `UNITS` order and writes the results."""
     val, test = eval_items(cfg, workdir)
-    mapper = lambda fn, chunks, name: shares.map_shared(fn, chunks, workdir / PARTS / "shares", name)  # noqa: E731
-    ev = Evaluation(cfg, fit_selectors(cfg, workdir), mapper)
-    use_val = ev.protocol == "validation"
-    items, bs, rc = test + (val if use_val else []), ev.bs, route_config(cfg)
+    use_val = str(cfg.eval.thresholds) == "validation"
+    spool = workdir / PARTS / "shares"
     r = retriever(cfg, workdir)
     n_passages = int(cfg.retrieval.n_passages)
     real_retrieve = lambda qs: r.retrieve_texts(qs, n_passages)  # noqa: E731 - latency runs call it for real
-    cached = harness.RetrievalCache(real_retrieve, harness.questions_of(items), bs, mapper)
-    idx = latency.latency_indices(test, int(cfg.eval.latency_questions))
-    n_test = len(test)
-
-    def split(paths: Paths) -> tuple[Paths, Paths | None]:
-        is_test = np.arange(len(paths.items)) < n_test
-        return paths.take(is_test), (paths.take(~is_test) if use_val else None)
-
-    lat_items = [test[i] for i in idx]
-    val_scores = {}  # model -> its routing score on the validation questions (Figure 4, matched % retrieval)
-    done = resume(workdir, ev, val_scores)
-    # The untuned model: always-RAG and GenRead on its own prompts (constant decisions).
-    if "untuned" not in done:
-        untuned = harness.untuned_paths(ev.selectors.base, test, cached, rc, bs, mapper)
-        for m in (m for m in METHODS if m.model == "untuned"):
-            d = ev.decide(m, untuned, None, None)[0]
-            ev.add(m, untuned, d)
-            source = WIKI if CONSTANT[m.rule] else SELF
-            ev.measured(m, latency.untuned_route_items(ev.selectors.base, lat_items, source, real_retrieve, rc, bs,
-                                                       f"{m.name} latency", mapper=mapper), untuned, d, idx)
-        save_part(workdir, "untuned", ev, val_scores)
-    for key, (model_dir, store) in MODELS.items():
-        if key in done:
+    done = finished(workdir)
+    multihost.barrier("eval/finished")  # every process has seen which units an interrupted eval finished
+    every = lambda fn, chunks, name: shares.map_shared(fn, chunks, spool, name)  # noqa: E731
+    cached = harness.RetrievalCache(real_retrieve, harness.questions_of(test + (val if use_val else [])),
+                                    int(cfg.inference.batch_size), every)
+    me, n_proc = jax.process_index(), jax.process_count()
+    base = functools.cache(lambda: load(cfg, workdir / "base", inference=True))  # one untuned model per process
+    selectors = functools.cache(lambda: fit_selectors(cfg, workdir, base()))
+    unit = Unit(cfg, workdir, test, val, use_val, cached, real_retrieve, base)
+    for key, group in zip(UNITS, shares.groups([UNIT_COST[u] for u in UNITS], n_proc)):
+        if key in done or me not in group:
             continue
-        model = load(cfg, workdir / model_dir, inference=True)
-        t_paths, v_paths = split(harness.routed_paths(model, items, cached, rc, bs, f"{key} paths", mapper))
+        print(f"  eval: process {me} of {n_proc} runs {key}" + (f" with processes {', '.join(map(str, group))}"
+                                                               if len(group) > 1 else ""), flush=True)
+        mapper = lambda fn, chunks, name, g=group: shares.map_shared(fn, chunks, spool, name, group=g)  # noqa: E731
+        ev = Evaluation(cfg, selectors() if key == "srrag" else None, mapper)
+        val_scores = unit.untuned(ev) if key == "untuned" else unit.model(key, ev)
+        if me == group[0]:
+            save_part(workdir, key, ev, val_scores)
+    multihost.barrier("eval/units")  # every unit's part is on disk
+    if not multihost.is_leader():
+        return workdir / "results.json"
+    return write_results(merged(cfg, workdir, test, val), workdir)
+
+
+class Unit:
+    """What each unit decodes and decides, on its own `Evaluation` (its mapper, its state)."""
+
+    def __init__(self, cfg, workdir, test, val, use_val: bool, cached, real_retrieve, base):
+        self.cfg, self.workdir, self.test, self.val, self.use_val = cfg, workdir, test, val, use_val
+        self.items = test + (val if use_val else [])  # validation questions decoded when they tune thresholds
+        self.cached, self.real_retrieve, self.base, self.rc = cached, real_retrieve, base, route_config(cfg)
+        self.idx = latency.latency_indices(test, int(cfg.eval.latency_questions))
+        self.lat_items = [test[i] for i in self.idx]
+
+    def untuned(self, ev: Evaluation) -> dict:
+        """The untuned model: always-RAG and GenRead on its own prompts (constant decisions)."""
+        paths = harness.untuned_paths(self.base(), self.test, self.cached, self.rc, ev.bs, ev.mapper)
+        for m in (m for m in METHODS if m.model == "untuned"):
+            d = ev.decide(m, paths, None, None)[0]
+            ev.add(m, paths, d)
+            source = WIKI if CONSTANT[m.rule] else SELF
+            ev.measured(m, latency.untuned_route_items(self.base(), self.lat_items, source, self.real_retrieve, self.rc,
+                                                       ev.bs, f"{m.name} latency", mapper=ev.mapper), paths, d, self.idx)
+        return {}
+
+    def model(self, key: str, ev: Evaluation) -> dict:
+        """A fine-tuned model of MODELS and its methods -> its routing score on the validation
+        questions (Figure 4, matched % retrieval)."""
+        model_dir, store = MODELS[key]
+        model = load(self.cfg, self.workdir / model_dir, inference=True)
+        paths = harness.routed_paths(model, self.items, self.cached, self.rc, ev.bs, f"{key} paths", ev.mapper)
+        is_test = np.arange(len(paths.items)) < len(self.test)
+        t_paths, v_paths = paths.take(is_test), (paths.take(~is_test) if self.use_val else None)
         nb = None if store is None else srrag_policies.datastore_neighbours(
-            PolicyDatastore.load(workdir / store), int(cfg.inference.k))
+            PolicyDatastore.load(self.workdir / store), int(self.cfg.inference.k))
         for m in (m for m in METHODS if m.model == key):
             d, policy = ev.decide(m, t_paths, v_paths, nb)
             ev.add(m, t_paths, d)
-            ev.measured(m, latency.route_items(model, lat_items, policy, real_retrieve, rc, bs, f"{m.name} latency",
-                                               mapper), t_paths, d, idx)
-        if key in ("srrag", "selective") and val:
-            inputs = router_inputs(model, harness.questions_of(val), rc.hidden_layer, bs)
+            ev.measured(m, latency.route_items(model, self.lat_items, policy, self.real_retrieve, self.rc, ev.bs,
+                                               f"{m.name} latency", ev.mapper), t_paths, d, self.idx)
+        val_scores = {}
+        if key in ("srrag", "selective") and self.val:
+            inputs = router_inputs(model, harness.questions_of(self.val), self.rc.hidden_layer, ev.bs)
             val_scores[key] = np.asarray(srrag_policies.srrag_policy(nb, 0.0)(inputs).score, np.float64)
-        if key == "srrag" and val:
-            ev.results["figure4"] = figure4_points(cfg, model, t_paths, ev, nb, real_retrieve, idx, val_scores["srrag"])
-        del model
-        save_part(workdir, key, ev, val_scores)
+        if key == "srrag" and self.val:
+            ev.results["figure4"] = figure4_points(self.cfg, model, t_paths, ev, nb, self.real_retrieve, self.idx,
+                                                   val_scores["srrag"])
+        return val_scores
+
+
+def merged(cfg: ConfigDict, workdir: Path, test, val) -> dict:
+    """results.json's content: every unit's part in `UNITS` order, then what reads several units
+    (Selective RAG at SR-RAG's % retrieval, the paired intervals) and the run's record."""
+    ev, val_scores, fixed = Evaluation(cfg, None), {}, {}
+    for key in UNITS:
+        state = pickle.loads((workdir / PARTS / f"{key}.pkl").read_bytes())
+        _merge(ev.results, state["results"])
+        for name in ("thresholds", "correct", "decisions"):
+            getattr(ev, name).update(state[name])
+        val_scores.update(state["val_scores"])
+        fixed.update(state["fixed_thresholds"])
     if {"srrag", "selective"} <= set(val_scores) and "selective_rag" in ev.decisions:
         ev.results["selective_rag_at_srrag_retrieval"] = matched_retrieval(
             val_scores["srrag"], ev.thresholds["srrag"], val_scores["selective"], *ev.decisions["selective_rag"])
     ev.results["post_hoc"] = dict(POST_HOC)
     ev.intervals(test)
-    ev.results["config"] = {**cfg.to_dict(), "thresholds": {"protocol": ev.protocol, **ev.thresholds,
-                                                            **ev.selectors.fixed_thresholds()},
-                            "paper_version": PAPER_VERSION, "n_validation": len(val), "n_test": n_test,
-                            "n_latency": len(idx), "data_counts": data_counts(test, val, ev.selectors.train_items),
+    idx = latency.latency_indices(test, int(cfg.eval.latency_questions))
+    train_items = dataset_items(cfg, workdir, cfg.data.train, "train")
+    ev.results["config"] = {**cfg.to_dict(), "thresholds": {"protocol": ev.protocol, **ev.thresholds, **fixed},
+                            "paper_version": PAPER_VERSION, "n_validation": len(val), "n_test": len(test),
+                            "n_latency": len(idx), "data_counts": data_counts(test, val, train_items),
                             "data_left_out": {} if is_embedded(cfg) else rows_left_out(cfg, [*cfg.data.train,
                                                                                          *cfg.data.eval]),
-                            "latency_questions": latency_questions(test, idx, bs),
+                            "latency_questions": latency_questions(test, idx, ev.bs),
                             "training": training_record(cfg, workdir)}
     ev.results["code"] = code_record(workdir)
     base_metrics = workdir / "base" / "metrics.json"  # the embedded base's probe and gates
@@ -120,7 +165,16 @@ def eval_stage(cfg: ConfigDict, workdir: Path) -> Path:
     if stats_file.is_file():
         s = json.loads(stats_file.read_text())
         ev.results["construct"] = {"table": stats_markdown(s), "datasets": s.get("datasets", {})}
-    return write_results(ev.results, workdir)
+    return ev.results
+
+
+def _merge(into: dict, part: dict) -> None:
+    """`part`'s entries into `into`, nested dictionaries merged key by key (units add methods)."""
+    for k, v in part.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
 
 
 def code_record(workdir: Path) -> dict:
@@ -131,46 +185,39 @@ def code_record(workdir: Path) -> dict:
             "stages": {s: c for s, c in provenance.stages_code(workdir).items() if s in read}}
 
 
-# W/eval_parts/<unit>.pkl: the evaluation's state after each model's methods (the untuned model,
-# then MODELS in order), so that an interrupted eval resumes after the last model it finished
-# instead of decoding every path again; removed once results.json is written.
+# W/eval_parts/<unit>.pkl: each unit's state once it has run (the untuned model, then MODELS),
+# so that an interrupted eval runs only the units it had not finished; removed once results.json
+# is written. UNIT_COST: each unit's relative cost (its loops' batches and programs; the srrag unit
+# also fits the seeds' selectors and decides IK, SeaKR and CCSK), which places the units.
 PARTS = "eval_parts"
 UNITS = ("untuned", *MODELS)
+UNIT_COST = {"untuned": 3, "selective": 3, "srrag": 9, "no_dpo": 1, "no_kv_label": 1}
 
 
 def save_part(workdir: Path, unit: str, ev: Evaluation, val_scores: dict) -> None:
-    if not multihost.is_leader():  # every process holds the same state; process 0 keeps it
-        return
     parts = workdir / PARTS
     parts.mkdir(exist_ok=True)
     state = {"results": ev.results, "thresholds": ev.thresholds, "correct": ev.correct, "decisions": ev.decisions,
-             "val_scores": val_scores}
+             "val_scores": val_scores, "fixed_thresholds": {} if ev.selectors is None else ev.selectors.fixed_thresholds()}
     tmp = parts / f".{unit}.pkl.tmp"
     tmp.write_bytes(pickle.dumps(state))
     os.replace(tmp, parts / f"{unit}.pkl")
-    for old in UNITS[: UNITS.index(unit)]:  # each part holds everything before it
-        (parts / f"{old}.pkl").unlink(missing_ok=True)
 
 
-def resume(workdir: Path, ev: Evaluation, val_scores: dict) -> tuple[str, ...]:
-    """The units an interrupted eval finished (their state restored into `ev` and `val_scores`)."""
-    last = next((u for u in reversed(UNITS) if (workdir / PARTS / f"{u}.pkl").is_file()), None)
-    if last is None:
-        return ()
-    state = pickle.loads((workdir / PARTS / f"{last}.pkl").read_bytes())
-    ev.results, ev.thresholds, ev.correct, ev.decisions = (state[k] for k in ("results", "thresholds", "correct",
-                                                                              "decisions"))
-    val_scores.update(state["val_scores"])
-    print(f"  eval: resuming after {last} ({PARTS}/{last}.pkl)", flush=True)
-    return UNITS[: UNITS.index(last) + 1]
+def finished(workdir: Path) -> set[str]:
+    """The units an interrupted eval finished (their parts are on disk)."""
+    done = {u for u in UNITS if (workdir / PARTS / f"{u}.pkl").is_file()}
+    if done:
+        print(f"  eval: resuming; finished before: {', '.join(u for u in UNITS if u in done)} ({PARTS}/)", flush=True)
+    return done
 
 
-def fit_selectors(cfg: ConfigDict, workdir: Path) -> SeedSelectors:
+def fit_selectors(cfg: ConfigDict, workdir: Path, base) -> SeedSelectors:
     """The seeds' selectors (IK, SeaKR, CCSK) fitted on the workdir's training questions, judging
-    the untuned base model's knowledge (`jaxrag.eval.selectors`)."""
+    the untuned `base` model's knowledge (`jaxrag.eval.selectors`)."""
     b, seed = cfg.baselines, int(cfg.seed)
     progress = tqdm(total=4, desc="eval: fitting IK, SeaKR and CCSK", unit="step")
-    base, encoder = load(cfg, workdir / "base", inference=True), retriever(cfg, workdir).encoder
+    encoder = retriever(cfg, workdir).encoder
     train_items = dataset_items(cfg, workdir, cfg.data.train, "train")
     train = stratified_sample(train_items, int(b.max_train_questions), seed)
     questions = [ex.prompt_question() for _, ex in train]

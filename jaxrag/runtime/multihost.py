@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,15 +73,17 @@ def _client():
     return state
 
 
-def barrier(name: str) -> None:
+def barrier(name: str, processes: Sequence[int] | None = None) -> None:
     """Every process reaches this point before any goes on: a barrier of the coordinator's
     key-value service (`name` is unique in a run), which waits as long as the slowest process
     works; a lost process is the watchdog's to report. Not a device collective: processes reach a
     barrier minutes apart (process 0 alone runs some stages; the fit check compiles), and on CPU
     devices the first collective over a set of devices gives its peers 30 s to join (gloo's
-    rendezvous), so a barrier that was the run's first collective failed the run."""
+    rendezvous), so a barrier that was the run's first collective failed the run. `processes`:
+    the processes that meet (all of them by default); each of them passes the same list."""
     if is_multiprocess():
-        _client().client.wait_at_barrier(f"{_PREFIX}/barrier/{name}", BARRIER_TIMEOUT_MS)
+        ids = None if processes is None or len(processes) == jax.process_count() else list(processes)
+        _client().client.wait_at_barrier(f"{_PREFIX}/barrier/{name}", BARRIER_TIMEOUT_MS, ids)
 
 
 def _tell(line: str) -> None:
