@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,27 +181,35 @@ def test_rerun_from_redoes_exactly_the_stages_from_there(workdir, tmp_path, caps
         pipeline.run(mini_config(), w)
 
 
-def test_an_eval_only_change_redoes_eval_and_export_only(workdir, tmp_path, capsys):
+def train_command(workdir: Path, *extra: str) -> list[str]:
+    """`python -m jaxrag.train` on the miniature config (the quickstart's run, as a command)."""
+    return [sys.executable, "-m", "jaxrag.train", "--config", "configs/qwen.py:tiny", "--workdir", str(workdir),
+            *(f"--config.{k}={v}" for k, v in mini_overrides().items()), *extra]
+
+
+def test_an_eval_only_change_redoes_eval_and_export_only(workdir, tmp_path):
     """inference.tau (a constant of the paper's protocol) changes the results and the served
-    tau; every trained model and earlier artifact keeps its bytes."""
+    tau; every trained model and earlier artifact keeps its bytes. Run as the quickstart runs
+    (its devices and XLA flags), so eval's programs are the quickstart's."""
     w = tmp_path / "w"
     shutil.copytree(workdir, w)
     earlier = ["world", "base", "index", "construct", "stage1", "stage2", "datastore", "baselines"]
     before = file_digests(w, earlier)
-    cfg = mini_config()
-    old, cfg.inference.tau = cfg.inference.tau, 0.5
-    pipeline.run(cfg, w)
-    out = capsys.readouterr().out
-    assert statuses(out) == ["done"] * 8 + ["running"] * 2
-    assert f"eval: running (inputs changed: inference.tau {old} → 0.5)" in out
+    old = mini_config().inference.tau
+    cmd = train_command(w, "--config.inference.tau=0.5")
+    proc = subprocess.run(cmd, cwd=REPO, env=single_process_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert statuses(proc.stdout) == ["done"] * 8 + ["running"] * 2
+    assert f"eval: running (inputs changed: inference.tau {old} → 0.5)" in proc.stdout
     assert file_digests(w, earlier) == before
     results = json.loads((w / "results.json").read_text())
     assert results["config"]["inference"]["tau"] == 0.5 == results["config"]["thresholds"]["srrag"]
     from jaxrag.serve import SRRAG
 
     assert SRRAG.load(w / "export").tau == 0.5
-    pipeline.run(cfg, w)  # the same config again: nothing to do
-    assert statuses(capsys.readouterr().out) == ["done"] * 10
+    proc = subprocess.run(cmd, cwd=REPO, env=single_process_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert statuses(proc.stdout) == ["done"] * 10  # the same config again: nothing to do
 
 
 def test_tau_is_chosen_on_validation_before_the_first_eval(workdir, tmp_path):
@@ -226,42 +235,52 @@ def test_tau_is_chosen_on_validation_before_the_first_eval(workdir, tmp_path):
         tau.main([str(w)])
 
 
-def test_an_interrupted_eval_resumes_with_the_models_it_finished(workdir, tmp_path, monkeypatch):
-    """Killed while loading the third fine-tuned model, the eval has kept the state of each unit
-    it finished (W/eval_parts/<unit>.pkl); the rerun decodes only the models after them, and its results
-    equal an uninterrupted eval's on another copy, in this process (the same programs and XLA flags;
-    the quickstart's run compiles with the miniature pipeline's flags, this process with the suite's)."""
-    from jaxrag.eval import harness
-    from jaxrag.pipeline import eval as eval_stage
-
-    w, whole = tmp_path / "w", tmp_path / "whole"
-    for copy in (w, whole):
-        shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("results.json", "report.md", "plots", "export"))
-    eval_stage.eval_stage(mini_config(), whole)
-    load = eval_stage.load
-
-    def killed_at_no_dpo(cfg, path, **kw):
-        if "no_dpo" in str(path):
-            raise KeyboardInterrupt
-        return load(cfg, path, **kw)
-
-    monkeypatch.setattr(eval_stage, "load", killed_at_no_dpo)
-    with pytest.raises(KeyboardInterrupt):
-        eval_stage.eval_stage(mini_config(), w)
-    assert sorted(p.name for p in (w / "eval_parts").iterdir()) == ["selective.pkl", "srrag.pkl", "untuned.pkl"]
-    monkeypatch.setattr(eval_stage, "load", load)
-    decoded, routed_paths = [], harness.routed_paths
-    monkeypatch.setattr(harness, "routed_paths", lambda *a, **kw: decoded.append(a[5]) or routed_paths(*a, **kw))
-    untuned, untuned_paths = [], harness.untuned_paths
-    monkeypatch.setattr(harness, "untuned_paths", lambda *a, **kw: untuned.append(1) or untuned_paths(*a, **kw))
+# The eval stage of a workdir, in a process of its own run as the quickstart's (its devices and
+# XLA flags, so eval's programs are the quickstart's); "killed": interrupted while loading the
+# no-DPO model. Prints the paths it decoded.
+RESUMED_EVAL = """
+import json, sys
+from pathlib import Path
+from pipeline_fixtures import mini_config
+from jaxrag.eval import harness
+from jaxrag.pipeline import eval as eval_stage
+w, killed, decoded = Path(sys.argv[1]), sys.argv[2] == "killed", []
+load, routed_paths, untuned_paths = eval_stage.load, harness.routed_paths, harness.untuned_paths
+def killed_at_no_dpo(cfg, path, **kw):
+    if "no_dpo" in str(path):
+        raise KeyboardInterrupt
+    return load(cfg, path, **kw)
+eval_stage.load = killed_at_no_dpo if killed else load
+harness.routed_paths = lambda *a, **kw: decoded.append(a[5]) or routed_paths(*a, **kw)
+harness.untuned_paths = lambda *a, **kw: decoded.append("untuned paths") or untuned_paths(*a, **kw)
+try:
     eval_stage.eval_stage(mini_config(), w)
-    assert decoded == ["no_dpo paths", "no_kv_label paths"] and not untuned
+except KeyboardInterrupt:
+    print(json.dumps(decoded))
+    sys.exit(3)
+print(json.dumps(decoded))
+"""
+
+
+def test_an_interrupted_eval_resumes_with_the_models_it_finished(workdir, tmp_path):
+    """Killed while loading the third fine-tuned model, the eval has kept the state of each unit
+    it finished (W/eval_parts/<unit>.pkl); the rerun decodes only the models after them, and its
+    results are the uninterrupted run's (timings aside)."""
+    w = tmp_path / "w"
+    shutil.copytree(workdir, w, ignore=shutil.ignore_patterns("results.json", "report.md", "plots", "export"))
+
+    def eval_run(mode: str) -> tuple[int, list[str]]:
+        proc = subprocess.run([sys.executable, "-c", RESUMED_EVAL, str(w), mode], cwd=REPO, capture_output=True,
+                              text=True, env=single_process_env(PYTHONPATH=f"{REPO / 'tests'}:{REPO}"))
+        assert proc.returncode in (0, 3), proc.stderr[-2000:]
+        return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert eval_run("killed") == (3, ["untuned paths", "selective paths", "srrag paths"])
+    assert sorted(p.name for p in (w / "eval_parts").iterdir()) == ["selective.pkl", "srrag.pkl", "untuned.pkl"]
+    assert eval_run("rerun") == (0, ["no_dpo paths", "no_kv_label paths"])
     assert not (w / "eval_parts").exists()
-    got, want = (json.loads((d / "results.json").read_text()) for d in (w, whole))
-    for m, e in want["average"].items():
-        assert (got["average"][m]["acc"], got["average"][m]["rag_frac"]) == (e["acc"], e["rag_frac"]), m
-    assert got["comparisons"].keys() == want["comparisons"].keys()
-    assert {k: v["diff"] for k, v in got["comparisons"].items()} == {k: v["diff"] for k, v in want["comparisons"].items()}
+    got, want = (json.loads((d / "results.json").read_text()) for d in (w, workdir))
+    assert without_timings(got) == without_timings(want)
 
 
 def test_stop_after_stops(tmp_path, capsys):
@@ -314,8 +333,7 @@ def test_killed_runs_rerun_to_the_same_results(workdir, tmp_path):
     """kill -9 during three different stages, then a clean rerun: results.json equals the
     uninterrupted run's (timings aside), and no temp files are left behind."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jaxrag.train", "--config", "configs/qwen.py:tiny", "--workdir", str(out),
-           *(f"--config.{k}={v}" for k, v in mini_overrides().items())]
+    cmd = train_command(out)
     env = single_process_env()  # the quickstart's devices
     for stage, delay in (("base", 2.0), ("construct", 8.0), ("baselines", 10.0)):
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
