@@ -31,7 +31,6 @@ def test_fit_selectors_gives_ik_the_metrics_pass_mark_not_any_score(tmp_path, mo
     want = {"tell me about the house": False, "describe the hill": True, "capital of france?": True,
             "capital of italy?": False}
     base = types.SimpleNamespace(tokenizer=types.SimpleNamespace(decode=lambda q, skip_special_tokens: answers[q]))
-    monkeypatch.setattr(eval_stage, "load", lambda cfg, path, inference: base)
     monkeypatch.setattr(eval_stage, "retriever", lambda cfg, workdir: types.SimpleNamespace(encoder=None))
     monkeypatch.setattr(eval_stage, "dataset_items", lambda cfg, workdir, names, split: list(train))
     monkeypatch.setattr(eval_stage, "construct_records", lambda workdir: [])
@@ -42,7 +41,7 @@ def test_fit_selectors_gives_ik_the_metrics_pass_mark_not_any_score(tmp_path, mo
     monkeypatch.setattr(eval_stage.seakr_mod, "seakr_uncertainty", lambda *a, **kw: np.zeros(0))
     monkeypatch.setattr(eval_stage.seakr_mod, "fit_seakr_threshold", lambda u, y: 0.5)
     monkeypatch.setattr(eval_stage.ccsk_mod, "fit_ccsk", lambda *a, **kw: "ccsk")
-    selectors = eval_stage.fit_selectors(tiny_config("qwen2"), tmp_path)
+    selectors = eval_stage.fit_selectors(tiny_config("qwen2"), tmp_path, base)
     assert selectors.ik == "ik" and judged == want and selectors.ik_constant is False
 
 

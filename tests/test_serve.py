@@ -1,8 +1,9 @@
 """`python -m jaxrag.serve` as a real server process on 127.0.0.1, driven by real clients (httpx,
 the `openai` client): answers and traces equal `SRRAG.ask([q])` alone under concurrent load, which
-shares decode steps; a queue's worth of questions in one call; bad input, a full queue (the HTTP
-app in this process), a client leaving mid-stream, nothing compiled while serving, SIGTERM, and
-exports refused at start.
+shares decode steps; a queue's worth of questions in one call; `usage` and `/v1/models`; bad
+input, limits (413), a full queue (429; the HTTP app in this process), clients leaving mid-stream
+and while waiting, a failed decode step, a failed or draining engine (503; in this process),
+nothing compiled while serving, SIGTERM, and exports refused at start.
 
 One server (4 slots) serves the whole module; its export is `benchmarks.serve.tiny_export`
 (random weights, a MiniLM passage index, a datastore whose kNN sends about half the questions
@@ -155,7 +156,7 @@ def test_concurrent_answers_equal_each_question_alone(url, reference):
     assert shared >= calls / 4 and rows / calls >= 1.5, (calls, shared, rows)  # one at a time: 0 and 1.0
 
 
-def test_batch_route_and_openai_client(url, reference):
+def test_batch_route_and_openai_client(url, reference, export):
     """/v1/srrag answers a list with the same traces, and a queue's worth of questions in one call;
     the openai client reads the extra field, streams the same answer, and forces a source."""
     system, alone = reference
@@ -183,8 +184,47 @@ def test_batch_route_and_openai_client(url, reference):
     forced = client.chat.completions.create(model="srrag", messages=[{"role": "user", "content": q}], max_tokens=5,
                                             temperature=0.7, top_p=0.9, extra_body={"source": other, "k": 3})
     trace = forced.choices[0].model_extra["srrag"]
-    assert trace["source"] == other and forced.usage.completion_tokens <= 5
+    assert trace["source"] == other
+    assert forced.usage.completion_tokens - forced.usage.completion_tokens_details.reasoning_tokens <= 5  # the answer's
     assert sum(trace["p_D"].values()) == pytest.approx(1.0) and all(round(p * 3, 6) % 1 == 0 for p in trace["p_D"].values())
+    assert [m.id for m in client.models.list().data] == [export.resolve().name]  # the export's folder
+    greedy = client.chat.completions.create(model="srrag", messages=[{"role": "user", "content": q}], top_p=0)
+    assert greedy.choices[0].message.content == alone[q].answer  # top_p 0: the top token alone
+
+
+def test_usage_counts_every_token_read_and_written(url, reference):
+    """`usage`: the model read the question's prompt, the source token and the knowledge chunk
+    (the passages, or `<EOK> Answer:` after a verbalization), and wrote the verbalization
+    (`reasoning_tokens`) and the answer; a stream with `include_usage` ends with the same usage."""
+    from jaxrag.prompts import prompt_ids
+
+    system, _ = reference
+    tok = system.model.tokenizer
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+    q = QUESTIONS[4]
+    question = len(prompt_ids(tok, [q])[0])
+    ask = lambda source, **kw: client.chat.completions.create(  # noqa: E731
+        model="srrag", messages=[{"role": "user", "content": q}], max_tokens=5, extra_body={"source": source}, **kw)
+    wiki = ask("wiki")
+    written = 5 if wiki.choices[0].finish_reason == "length" else None  # 5 answer tokens, else fewer (EOS)
+    assert wiki.usage.completion_tokens_details.reasoning_tokens == 0
+    assert wiki.usage.completion_tokens == written if written else 0 < wiki.usage.completion_tokens <= 5
+    # the question, the source token, the passages (cut to the knowledge budget), and the few
+    # tokens of their separators and `<EOK> Answer:`
+    passages = wiki.choices[0].model_extra["srrag"]["knowledge"]["text"]
+    read = question + 1 + min(len(tok(passages, add_special_tokens=False)["input_ids"]),
+                              system.route_cfg.max_knowledge_tokens)
+    assert read < wiki.usage.prompt_tokens <= read + 16, (wiki.usage, read)
+    assert wiki.usage.total_tokens == wiki.usage.prompt_tokens + wiki.usage.completion_tokens
+    own = ask("self")
+    reasoning = own.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < reasoning <= system.route_cfg.max_verbal_tokens  # to <EOK>, or the verbalization budget
+    answer = own.usage.completion_tokens - reasoning
+    assert answer == 5 if own.choices[0].finish_reason == "length" else 0 < answer <= 5  # EOS included
+    assert question + 1 < own.usage.prompt_tokens < read  # `<EOK> Answer:` after it, no passages
+    chunks = list(ask("self", stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == own.usage
+    assert all(c.usage is None for c in chunks[:-1])
 
 
 @pytest.mark.parametrize("body, field", [
@@ -195,8 +235,11 @@ def test_batch_route_and_openai_client(url, reference):
     ({"messages": [{"role": "user", "content": "river " * 200}]}, "at most 64"),
     ({"messages": [{"role": "user", "content": "Where?"}], "source": "web"}, "source 'web'"),
     ({"messages": [{"role": "user", "content": "Where?"}], "k": 0}, "k 0"),
-    ({"messages": [{"role": "user", "content": "Where?"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "top_p": 1.5}, "top_p 1.5: must be between 0 and 1"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "temperature": 2.5}, "temperature 2.5: must be between 0 and 2"),
     ({"messages": [{"role": "user", "content": "Where?"}], "max_tokens": 100000}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "Where?"}], "max_tokens": 0}, "max_tokens 0"),
+    ({"messages": [{"role": "user", "content": "Where?"}] * 257}, "messages: List should have at most 256 items"),
     ({"questions": []}, "questions"),
 ])
 def test_bad_request_gets_one_clear_4xx_and_the_server_keeps_serving(url, body, field):
@@ -249,6 +292,119 @@ def test_a_full_queue_takes_its_last_request_and_refuses_one_more_with_429(refer
     assert f"the queue holds {QUEUE} of {QUEUE} requests" in refused.json()["error"]["message"]
     assert depth == QUEUE
     assert all(job.cancelled for job in engine.waiting)  # the waiting clients left: the loop drops them
+
+
+def test_limits_that_retrying_cannot_fix_get_413(url):
+    """A body over the server's limit (1 MiB), by Content-Length or chunked, and more questions
+    in one call than the queue can ever hold get 413 naming the setting, never 429."""
+    big = json.dumps({"messages": [{"role": "user", "content": "Where? " + "x" * (1 << 20)}]}).encode()
+    r = httpx.post(f"{url}/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"], r.text
+    chunked = httpx.post(f"{url}/v1/chat/completions", content=iter([big[:1000], big[1000:]]),
+                         headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and "over 1048576 bytes" in chunked.json()["error"]["message"], chunked.text
+    many = httpx.post(f"{url}/v1/srrag", json={"questions": ["Where?"] * (QUEUE + 1)})
+    assert many.status_code == 413 and f"at most {QUEUE} (--max-queue)" in many.json()["error"]["message"], many.text
+    small = httpx.post(f"{url}/v1/chat/completions", content=iter([b'{"messages": [{"role": "user", ',
+                                                                    b'"content": "Where?"}], "max_tokens": 2}']),
+                       headers={"content-type": "application/json"}, timeout=60)
+    assert small.status_code == 200, small.text  # a chunked body under the limit is read whole
+
+
+def test_a_client_leaving_a_waiting_request_frees_its_slots(url):
+    """FastAPI does not cancel a handler whose client left: a chat request queued behind a batch
+    that all but fills the queue, then the batch itself, are cancelled when their clients disconnect."""
+    outcome = lambda o: metric(url, f'srrag_requests_total{{outcome="{o}"}}')  # noqa: E731
+    done, cancelled, n = outcome("done"), outcome("cancelled"), QUEUE - 1
+    batch = {"questions": tiny_questions(n, seed=13), "source": "self"}
+    chat = {"messages": [{"role": "user", "content": QUESTIONS[5]}], "source": "self"}
+
+    async def until(predicate, what):
+        deadline = time.monotonic() + 60
+        while not predicate():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.02)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as a, httpx.AsyncClient(base_url=url, timeout=300) as b:
+            first = asyncio.create_task(a.post("/v1/srrag", json=batch))
+            await until(lambda: metric(url, "srrag_queue_depth") > 0, "the batch never queued")
+            leaving = asyncio.create_task(b.post("/v1/chat/completions", json=chat))
+            await asyncio.sleep(0.2)  # queued behind the batch
+            leaving.cancel()  # the client closes its connection
+            await asyncio.gather(leaving, return_exceptions=True)
+            await until(lambda: outcome("cancelled") == cancelled + 1, "the chat request was not cancelled")
+            r = await first
+            assert r.status_code == 200 and len(r.json()["answers"]) == n
+            assert (outcome("done"), outcome("cancelled")) == (done + n, cancelled + 1)
+            second = asyncio.create_task(a.post("/v1/srrag", json=batch))
+            await until(lambda: metric(url, "srrag_busy_slots") == SLOTS, "the slots never filled")
+            second.cancel()
+            await asyncio.gather(second, return_exceptions=True)
+            await until(lambda: metric(url, "srrag_busy_slots") == 0 and metric(url, "srrag_queue_depth") == 0,
+                        "the batch's slots were not freed")
+        return outcome("done") - done - n, outcome("cancelled") - cancelled - 1
+
+    answered, left = asyncio.run(scenario())
+    assert left >= 1 and answered + left == n, (answered, left)
+
+
+def test_a_failed_step_rebuilds_the_pool_and_a_failed_engine_or_a_draining_one_is_503(reference):
+    """The HTTP app in this process over an engine whose decode steps fail once: the requests in
+    the pool fail (500, one message), a fresh pool answers the next as `SRRAG.ask` does; an
+    engine whose loop died reports it on /health (503) and refuses requests with 503, as does a
+    draining one (SIGTERM), which still reports its state."""
+    from jaxrag.serve.engine import Engine
+    from jaxrag.serve.http import create_app
+
+    system, alone = reference
+    engine = Engine(system, slots=SLOTS, max_queue=QUEUE, max_question_tokens=QUESTION_TOKENS)
+    steps, calls = engine._steps, []
+
+    def fails_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the device went away")
+        return steps(*args, **kw)
+
+    engine._steps = fails_once
+    q = QUESTIONS[6]
+    chat = lambda q: {"messages": [{"role": "user", "content": q}]}  # noqa: E731
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine, "srrag")),
+                                     base_url="http://srrag", timeout=300) as client:
+            failed = await client.post("/v1/chat/completions", json=chat(q))
+            ok = await client.post("/v1/chat/completions", json=chat(q))
+            healthy = await client.get("/health")
+            engine._work = lambda: 1 / 0  # the loop's own code fails: the engine thread ends
+            engine.submit([])  # wakes it
+            deadline = time.monotonic() + 30
+            while engine.failure is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return failed, ok, healthy, await client.get("/health"), await client.post("/v1/chat/completions",
+                                                                                         json=chat(q))
+
+    engine.start()  # httpx's ASGI transport runs no lifespan
+    failed, ok, healthy, sick, refused = asyncio.run(scenario())
+    assert failed.status_code == 500 and "the device went away" in failed.json()["error"]["message"], failed.text
+    assert engine.rebuilds == 1 and healthy.status_code == 200, healthy.text
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == alone[q].answer
+    assert sick.status_code == 503 and "ZeroDivisionError" in sick.json()["error"], sick.text
+    assert refused.status_code == 503 and "has failed" in refused.json()["error"]["message"], refused.text
+
+    draining = Engine(system, slots=SLOTS, max_queue=QUEUE, max_question_tokens=QUESTION_TOKENS)
+    draining.drain()
+
+    async def drained():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(draining, "srrag")),
+                                     base_url="http://srrag") as client:
+            return await client.get("/health"), await client.post("/v1/srrag", json={"questions": [q]})
+
+    health, refused = asyncio.run(drained())
+    assert health.status_code == 503 and health.json()["status"] == "draining" and health.json()["slots"] == SLOTS
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
 
 
 def test_a_client_leaving_mid_stream_frees_its_slot(url):

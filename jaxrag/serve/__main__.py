@@ -1,10 +1,10 @@
 """`python -m jaxrag.serve EXPORT_DIR [--host 127.0.0.1] [--port 8000] [--slots 8] [--tensor 0]
-[--max-queue 256] [--index DIR] [--max-question-tokens 256]`
+[--max-queue 256] [--index DIR] [--max-question-tokens 256] [--max-body-bytes 1048576]`
 
 Serves an SR-RAG export (model, policy datastore, tau, passage index: `srrag.json`, read as
 `SRRAG.load` reads it) over HTTP with continuous batching (`jaxrag.serve.engine`, routes in
 `jaxrag.serve.http`). Every program is compiled before the port opens; SIGTERM stops intake,
-finishes the requests in flight and exits 0. A broken export or a missing index is refused at
+finishes the requests in flight (new ones get 503) and exits 0. A broken export or a missing index is refused at
 start with one `error:` line. The model is placed on the host's devices as generation places it
 in the pipeline (`--tensor`: the model axis; `jaxrag.sharding.generation_mesh`), the slots split
 over the other devices.
@@ -52,10 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index", default=None, help="passage index (default: the one srrag.json names)")
     parser.add_argument("--max-question-tokens", type=int, default=256,
                         help="longest question prompt served; prompt buckets up to it are compiled at start")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     args = parser.parse_args(argv)
 
     def serve():
-        for flag in ("slots", "max_queue", "max_question_tokens"):
+        for flag in ("slots", "max_queue", "max_question_tokens", "max_body_bytes"):
             if getattr(args, flag) < 1:
                 raise JaxragError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
         if args.tensor < 0:
@@ -87,7 +88,14 @@ def main(argv: list[str] | None = None) -> None:
         # uvicorn drains the connections on SIGTERM, then raises the signal again under the handler
         # it found: a no-op one lets the process end normally, exit code 0, once all is answered
         signal.signal(signal.SIGTERM, lambda *_: None)
-        uvicorn.run(create_app(engine, export.resolve().name), host=args.host, port=args.port, log_level="warning")
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # the engine refuses new requests (503) while uvicorn drains
+                engine.drain()
+                super().handle_exit(sig, frame)
+
+        app = create_app(engine, export.resolve().name, max_body_bytes=args.max_body_bytes)
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
 
     run(serve)
 

@@ -41,10 +41,11 @@ from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import EOK, NONE, SELF, source_token
 from jaxrag.policies.srrag import srrag_policy
 from jaxrag.prompts import answer_prefix_ids, prompt_ids
-from jaxrag.serve.jobs import Answer, Job, Options, QueueFull
+from jaxrag.serve.jobs import Answer, Job, Options, QueueFull, Unavailable
 from jaxrag.serve.metrics import Metrics
 from jaxrag.serve.retrieval import RetrievalWorker
 
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
 # Decode steps per call at most: a call also ends as soon as a row ends its phase, so a waiting
 # request joins within this many steps, and the host's work per call is spread over them.
@@ -83,6 +84,7 @@ class Engine:
         self.ready: list[tuple[Job, list[int]]] = []  # knowledge chunks to prefill, this loop
         self.cv = threading.Condition()
         self.stopping, self.dispatches, self.key = False, 0, jax.random.key(0)
+        self.draining, self.failure, self.rebuilds = False, None, 0  # SIGTERM; the loop's fatal error; pools rebuilt
         self.metrics = Metrics(self)
         # The decoder bound once: nnx.jit would walk its module graph on every call.
         self._admit_rows, self._prefill_rows, self._steps = (nnx.cached_partial(f, self.dec)
@@ -115,16 +117,18 @@ class Engine:
             raise JaxragError(f"k {o.k}: must be between 1 and {self.max_k}")
         if o.max_tokens is not None and not 1 <= o.max_tokens <= self.cfg.max_answer_tokens:
             raise JaxragError(f"max_tokens {o.max_tokens}: must be between 1 and {self.cfg.max_answer_tokens}")
-        if not 0.0 <= o.temperature <= 100.0:
-            raise JaxragError(f"temperature {o.temperature}: must be between 0 and 100")
-        if not 0.0 < o.top_p <= 1.0:
-            raise JaxragError(f"top_p {o.top_p}: must be in (0, 1]")
+        if not 0.0 <= o.temperature <= MAX_TEMPERATURE:  # OpenAI's bounds
+            raise JaxragError(f"temperature {o.temperature}: must be between 0 and {MAX_TEMPERATURE:g}")
+        if not 0.0 < o.top_p <= 1.0:  # top_p 0 (the top token alone) is greedy: `http.OptionFields`
+            raise JaxragError(f"top_p {o.top_p}: must be between 0 and 1")
 
     def submit(self, jobs: list[Job]) -> None:
         """Queues the jobs, all or none: QueueFull when they do not fit."""
         with self.cv:
-            if self.stopping:
-                raise QueueFull("the server is shutting down")
+            if self.failure is not None:
+                raise Unavailable(f"the engine has failed ({self.failure}); restart the server")
+            if self.stopping or self.draining:
+                raise Unavailable("the server is shutting down")
             if len(self.waiting) + len(jobs) > self.max_queue:
                 raise QueueFull(f"the queue holds {len(self.waiting)} of {self.max_queue} requests")
             self.waiting.extend(jobs)
@@ -145,6 +149,11 @@ class Engine:
         for t in self.threads:
             t.start()
         return self
+
+    def drain(self) -> None:
+        """SIGTERM: no new request (`Unavailable`, 503); those queued and running finish."""
+        with self.cv:
+            self.draining = True
 
     def stop(self) -> None:
         """Finishes every queued and running request, then stops the threads."""
@@ -182,6 +191,20 @@ class Engine:
     # --- the engine thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
+        """The engine thread: `_serve` until stopped; an error it did not expect ends it, every
+        request in flight failing with it, and `/health` says so (503)."""
+        try:
+            self._serve()
+        except Exception as e:
+            with self.cv:
+                self.failure = f"{type(e).__name__}: {e}"
+                jobs = [*self.waiting, *(j for j in self.rows if j is not None)]
+                self.waiting.clear()
+            for job in jobs:
+                self._fail(job, e)
+            self.retrieval.close()
+
+    def _serve(self) -> None:
         while True:
             with self.cv:
                 while not self._work():
@@ -211,10 +234,18 @@ class Engine:
             if any(j is not None and j.phase in ("verbalize", "answer") for j in self.rows):
                 try:
                     self._step()
-                except Exception as e:  # the pool is lost with the call: its rows fail, the engine goes on
-                    for job in [j for j in self.rows if j is not None and j.phase in ("verbalize", "answer")]:
-                        self._fail(job, e)
+                except Exception as e:
+                    self._rebuild(e)
                 self._prefill_knowledge()
+
+    def _rebuild(self, e: Exception) -> None:
+        """A failed call of decode steps took the pool with it (donated): every row in the pool
+        fails (its cache is gone), and a fresh pool serves the queue."""
+        for job in [j for j in self.rows if j is not None]:
+            self._fail(job, e)
+        self.ready = []
+        self.pool = init_pool(self.dec, self.slots, self._length(self.prompt_buckets[-1]))
+        self.rebuilds += 1
 
     def _work(self) -> bool:
         return bool(self.found or (self.waiting and None in self.rows)
@@ -311,7 +342,7 @@ class Engine:
         has_eok = job.verbal_stopped and bool(job.verbal) and job.verbal[-1] == self.eok
         chunk, job.truncated = knowledge_chunk(self.tok, passages, job.verbal_stopped, has_eok, self.tail,
                                                self.cfg.max_knowledge_tokens)
-        job.phase = "knowledge"
+        job.phase, job.chunk_tokens = "knowledge", len(chunk)
         self.ready.append((job, chunk))
 
     def _prefill_knowledge(self) -> None:
@@ -378,7 +409,9 @@ class Engine:
         with self.cv:
             self._free(job, "done")
         self.metrics.answered(job.latency)
-        job.listener("done", Answer(routed, job.hits, reason, len(job.tokens)))
+        written = len(job.verbal) + len(job.tokens)
+        job.listener("done", Answer(routed, job.hits, reason, completion_tokens=written, reasoning_tokens=len(job.verbal),
+                                    prompt_tokens=len(job.prompt) + 1 + job.chunk_tokens))
 
     def _deliver(self, found: list) -> None:
         """Passages found by the retrieval thread, taken up by the engine thread's next loop."""

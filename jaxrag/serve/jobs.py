@@ -13,6 +13,10 @@ class QueueFull(Exception):
     """The waiting queue holds `max_queue` requests."""
 
 
+class Unavailable(Exception):
+    """The engine takes no request: it is draining (SIGTERM) or its loop has failed."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Per-request settings; None = the export's."""
@@ -31,7 +35,9 @@ class Answer:
     routed: Routed
     passages: list[dict] | None
     finish_reason: str  # "stop" (EOS) or "length"
-    completion_tokens: int
+    completion_tokens: int  # tokens the model wrote: the verbalization (a Self row's) and the answer
+    reasoning_tokens: int  # of which the verbalization
+    prompt_tokens: int  # tokens the model read: the question's prompt, the source token, the knowledge chunk
 
 
 class Job:
@@ -54,3 +60,4 @@ class Job:
         # set at admission and at each phase change
         self.source, self.p_model, self.p_datastore, self.score = None, None, None, None
         self.budget, self.stops, self.truncated, self.phase_start = 0, [], False, 0.0
+        self.chunk_tokens = 0  # the knowledge chunk's length (passages, `<EOK> Answer:`), once prefilled
