@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from benchmarks.common import (Parser, add_common_args, check_arch, environment, median, positive_int,
                                qwen2_config, write_json)
 from jaxrag.decode import sampler
+from jaxrag.decode import slots as slot_pool
 from jaxrag.decode.sampler import generate
 from jaxrag.models import hf
 from jaxrag.models.decoder import Decoder, unstack_layers
@@ -63,10 +64,21 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def compile_decode_step(decoder: Decoder, batch: int, slots: int):
+def compile_decode_step(decoder: Decoder, batch: int, slots: int, pool: bool = False):
     """(compiled program, its abstract arguments): one decode step as `sampler.decode` runs it,
-    append each row's token to a `slots`-long cache and pick the next (greedy), state donated."""
+    append each row's token to a `slots`-long cache and pick the next (greedy), state donated.
+    `pool`: one step of the server's slot pool instead (`decode.slots.step`: `batch` slots of a
+    `slots`-column ring, with each row's sampling and phase program)."""
     graphdef, params = nnx.split(decoder)
+    if pool:
+        state = jax.eval_shape(lambda: slot_pool.init_pool(decoder, batch, slots))
+
+        def step(p, st, stops, tail):
+            new, tok, kind, _ = slot_pool.step(nnx.merge(graphdef, p), st, stops, stops, tail)
+            return new, tok, kind
+
+        args = (_abstract(params), state, jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+        return jax.jit(step, donate_argnums=1).lower(*args).compile(), args
     state = jax.eval_shape(lambda: sampler.init_state(decoder, batch, slots))
 
     def step(p, st, ids, mask):
@@ -78,9 +90,10 @@ def compile_decode_step(decoder: Decoder, batch: int, slots: int):
     return jax.jit(step, donate_argnums=1).lower(*args).compile(), args
 
 
-def step_bytes(decoder: Decoder, batch: int, slots: int) -> dict:
-    """XLA's bytes accessed by one compiled decode step, its arguments' bytes, and their ratio."""
-    compiled, args = compile_decode_step(decoder, batch, slots)
+def step_bytes(decoder: Decoder, batch: int, slots: int, pool: bool = False) -> dict:
+    """XLA's bytes accessed by one compiled decode step (`compile_decode_step`), its arguments'
+    bytes, and their ratio."""
+    compiled, args = compile_decode_step(decoder, batch, slots, pool)
     accessed = float(compiled.cost_analysis()["bytes accessed"])
     argument = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args))
     return {"step_bytes_accessed": int(accessed), "step_argument_bytes": int(argument),

@@ -92,19 +92,21 @@ if __name__ == "__main__":
     # The server's slot pool on that placement: slots over data, heads over tensor; a prompt
     # admitted to a slot and decoded there gives what one device gives.
     def serve_one(dec):
-        pool = slots.init_pool(dec, 8, 32)
-        ids, mask = sampler.left_pad([PROMPTS[1]], 16, 1)
-        pool, _, _ = slots.admit_rows(dec, pool, jnp.array([5]), jnp.asarray(ids), jnp.asarray(mask), length=32,
-                                      hidden_layer=1)
-        live = np.zeros(8, bool)
-        live[5] = True
-        pool, tokens, _ = slots.steps(dec, pool, jnp.asarray(live), jnp.full((8, 1), sampler.NO_TOKEN),
-                                      jnp.full((8,), 10), jnp.zeros(8), jnp.ones(8), jax.random.key(0), max_steps=10)
+        pool, parking = slots.init_pool(dec, 8, 32), slots.init_parking(dec, 8, 16)
+        ids, mask = sampler.left_pad([PROMPTS[1][:-1]], 16, 1)
+        parking, _, _ = slots.admit(dec, parking, jnp.array([5]), jnp.asarray(ids), jnp.asarray(mask), length=32,
+                                    hidden_layer=1)
+        pool = slots.enter(dec, pool, parking, jnp.array([5]), jnp.array([PROMPTS[1][-1]]),
+                           jnp.zeros((1, 0), jnp.int32), jnp.zeros((1, 0), bool), jnp.array([slots.ANSWER]), jnp.array([[1, 10]]), jnp.zeros(1),
+                           jnp.ones(1), slots.stage_keys(jax.random.key(0), jnp.zeros(1, jnp.uint32)))
+        none = jnp.array([sampler.NO_TOKEN])
+        pool, tokens, _, _ = slots.steps(dec, pool, jnp.zeros(8, bool), none, none, jnp.array([0, 0]), max_steps=10)
         return pool, np.asarray(tokens)[5].tolist()
 
     pool, got = serve_one(decoder)
     assert got == serve_one(for_inference(model).decoder)[1] == generate(model.decoder, PROMPTS[1:2], 10)[0], got
-    assert pool.cache[0].k.sharding.shard_shape(pool.cache[0].k.shape)[:2] == (2, 1), pool.cache[0].k.sharding
+    k = pool.state.cache[0].k
+    assert k.sharding.shard_shape(k.shape)[:2] == (2, 1), k.sharding
     print("slot pool placement ok")
 
     # The server's engine (`jaxrag.serve`) with the model placed on data 4 x tensor 2: each
@@ -137,7 +139,7 @@ if __name__ == "__main__":
     assert all_done.wait(600)
     engine.stop()
     assert engine.metrics.counted["serving"] == 0, engine.metrics.counted
-    assert engine.pool.cache[0].k.sharding.spec == P("data", "tensor"), engine.pool.cache[0].k.sharding
+    assert engine.pool.state.cache[0].k.sharding.spec == P("data", "tensor"), engine.pool.state.cache[0].k.sharding
     alone = dataclasses.replace(system, model=jaxrag.load_model(export, inference=True)).ask(questions)
     assert all(kind == "done" for kind, _ in answers.values()), answers
     assert [(answers[i][1].routed.source, answers[i][1].routed.answer) for i in range(len(questions))] == \

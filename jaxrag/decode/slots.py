@@ -1,25 +1,31 @@
-"""A slot pool for continuous batching: one KV cache whose rows are independent requests.
+"""A slot pool for continuous batching: one KV cache whose rows are independent requests, each
+running SR-RAG's phases on the device.
 
-`sampler.DecodeState` keeps one cache column shared by every row, which suits a batch that starts
-together. A server's rows start and finish at different steps, so the pool keeps, per row, its own
-next free cache column (`write`) and position, in the same per-layer cache layout
-(`models.kv_cache.LayerCache`, [slots, kv_heads, length, head_dim]: each row's cache is a
-batch-1 cache, [kv_heads, length, head_dim], stacked):
+The pool is one `sampler.DecodeState` over `slots` rows whose cache is a ring: every step writes
+one column, the ring's head, for every row (a `dynamic_update_slice`, as `sampler.decode` writes
+its shared column), so a step reads each cache byte once and moves nothing else. A row's columns
+are those written since it entered, ending at the head; keys carry their positions (RoPE is
+applied when they are written) and a single query attends to every key its row holds wherever it
+sits in the ring (`models.masks.attention_mask_4d`), so a row reads what it would read alone.
 
-    admit_rows(decoder, pool, rows, ...)    question prefills, each on a fresh batch-1 state
-                                            (`sampler.extend`), become rows `rows`
-    prefill_rows(decoder, pool, rows, ...)  appends a left-padded chunk to each of rows `rows`
-                                            (source token, knowledge, tail)
-    steps(decoder, pool, live, ...)         decode steps until a row ends (or a step count): each
-                                            picks every live row's next token and appends it, one
-                                            forward pass over every slot, the cache read once
+    admit(decoder, parking, rows, ids, mask, ...)   question prefills, each on a fresh batch-1
+                                                     state as `routing.route` runs it alone; the
+                                                     prompts wait in `parking` (rows `rows`) while
+                                                     the policy picks their sources
+    enter(decoder, pool, parking, rows, ...)         each parked row's source token (and its
+                                                     knowledge chunk) appended, the row placed in
+                                                     the ring ending at the head, its program set
+    steps(decoder, pool, stop, ...)                  decode steps over every slot until a row
+                                                     ends or a step count (rows `stop` idle)
 
-A row is a batch-1 `DecodeState` (leading axis = slot), so a step is `sampler._extend` mapped
-over the slots and a row's tokens land in the same columns, at the same positions, as in a
-batch of its own. `admit_rows` and `prefill_rows` map it over the rows they are given, so that
-requests changing phase together share one call; their `rows` [R] may be padded with indices past
-the pool (such a row reads a real one and is never written). Every call takes the pool donated
-(updated in place; use the one returned).
+A row's program runs on the device: a `<Self>` row samples its verbalization until `<EOK>`/EOS or
+its budget, is fed `<EOK> Answer:` (without `<EOK>` when it wrote one), then samples its answer;
+a row that entered with its knowledge (passages, or none) samples its answer at once. Only a
+retrieved row leaves the device between phases: it waits in `parking` for its passages.
+
+Sampling is keyed per row and phase (`stage_keys`): a row draws what `route` draws for it alone
+with the same key, whatever else is in the pool. Every call takes the pool donated (updated in
+place; use the one returned).
 """
 
 from __future__ import annotations
@@ -32,126 +38,193 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrag.decode.sampler import (NO_TOKEN, DecodeState, _extend, cache_shardings, init_state, nucleus, placement,
-                                   zeros_on)
+                                   row_keys, zeros_on)
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import Decoder, init_cache
-from jaxrag.models.kv_cache import KVCache, LayerCache
+from jaxrag.models.kv_cache import LayerCache
 from jaxrag.sharding import batch_sharding, data_parallel_size
+
+IDLE, VERBAL, ANSWER = 0, 1, 2  # a row's stage
+FORCED = 3  # the kind of a step's token that was fed, not sampled (`<EOK> Answer:`)
 
 
 class SlotPool(NamedTuple):
-    cache: KVCache  # one LayerCache per layer: [slots, kv_heads, length, head_dim]
-    key_mask: jax.Array  # [slots, length] bool: columns holding each row's real tokens
-    next_pos: jax.Array  # [slots] int32: position id of each row's next token
-    write: jax.Array  # [slots] int32: each row's next free cache column
-    logits: jax.Array  # [slots, vocab] float32: next-token logits after each row's last token
+    state: DecodeState  # [slots] rows; state.slot is the ring's head, the column the next step writes
+    stage: jax.Array  # [slots] int32: IDLE, VERBAL or ANSWER
+    count: jax.Array  # [slots] int32: tokens sampled in the stage
+    fed: jax.Array  # [slots] int32: tokens of the tail `<EOK> Answer:` fed so far (its length: none pending)
+    budget: jax.Array  # [slots, 2] int32: the row's verbalization and answer budgets
+    temperature: jax.Array  # [slots] float32 (0 = greedy)
+    top_p: jax.Array  # [slots] float32
+    keys: jax.Array  # [slots, 2, key words] uint32: the row's verbalization and answer keys
+
+
+def _stacked_rows(decoder: Decoder, rows: int, length: int) -> DecodeState:
+    """`rows` zeroed batch-1 states of `length` columns, stacked on a leading axis."""
+    cfg = decoder.cfg
+    one = init_cache(cfg, 1, length)  # each row's cache is a batch-1 cache, stacked
+    cache = tuple(LayerCache(*(jnp.zeros((rows, *x.shape), x.dtype) for x in c)) for c in one)
+    return DecodeState(cache, jnp.zeros((rows, 1, length), bool), jnp.zeros((rows, 1), jnp.int32),
+                       jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, 1, cfg.padded_vocab_size), jnp.float32))
 
 
 def _zero_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
-    cfg = decoder.cfg
-    row = init_cache(cfg, 1, length)  # each slot's cache is a batch-1 cache, stacked
-    cache = tuple(LayerCache(*(jnp.zeros((slots, *x.shape), x.dtype) for x in c)) for c in row)
-    return SlotPool(cache, jnp.zeros((slots, length), bool),
-                    jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32),
-                    jnp.zeros((slots, cfg.padded_vocab_size), jnp.float32))
+    rows = _stacked_rows(decoder, slots, length)
+    state = DecodeState(rows.cache, rows.key_mask[:, 0], rows.next_pos[:, 0], jnp.zeros((), jnp.int32),
+                        rows.logits[:, 0])
+    words = jax.random.key_data(jax.random.key(0)).shape
+    zeros = lambda *shape, dtype=jnp.int32: jnp.zeros((slots, *shape), dtype)
+    return SlotPool(state, zeros(), zeros(), zeros(), zeros(2), zeros(dtype=jnp.float32), zeros(dtype=jnp.float32),
+                    zeros(2, *words, dtype=jnp.uint32))
 
 
-def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
-    """A zeroed pool placed as the decoder is (`sampler.placement`): slots over the mesh's batch
-    axes (`slots` a multiple of their size), KV heads over `tensor`; created on the devices."""
+def _placed(decoder: Decoder, slots: int, make):
+    """make() built on the decoder's devices: rows over the mesh's batch axes, KV heads over `tensor`."""
     mesh = placement(decoder)
     if mesh is None:
-        return _zero_pool(decoder, slots, length)
+        return make()
     if slots % data_parallel_size(mesh):
         raise JaxragError(f"{slots} slots: must be a multiple of the model's data axis ({data_parallel_size(mesh)} "
                           "devices), each of which holds its share of the slots")
-    shapes = jax.eval_shape(lambda: _zero_pool(decoder, slots, length))
-    rows = batch_sharding(mesh)
-    return zeros_on(shapes, SlotPool(cache_shardings(mesh, shapes.cache), rows, rows, rows, rows))
+    shapes = jax.eval_shape(make)
+    rows, whole = batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    where = jax.tree.map(lambda x: whole if x.ndim == 0 else rows, shapes)
+    caches = cache_shardings(mesh, shapes.state.cache if isinstance(shapes, SlotPool) else shapes.cache)
+    where = where._replace(state=where.state._replace(cache=caches)) if isinstance(shapes, SlotPool) \
+        else where._replace(cache=caches)
+    return zeros_on(shapes, where)
 
 
-def _rows(pool: SlotPool) -> DecodeState:
-    """The pool as batch-1 states stacked on a leading slot axis (free reshapes; the caches are
-    batch-1 caches stacked already)."""
-    return DecodeState(pool.cache, pool.key_mask[:, None], pool.next_pos[:, None], pool.write, pool.logits[:, None])
+def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
+    """A zeroed pool of `slots` rows of `length` ring columns, placed as the decoder is."""
+    return _placed(decoder, slots, lambda: _zero_pool(decoder, slots, length))
 
 
-def _pool(rows: DecodeState) -> SlotPool:
-    return SlotPool(rows.cache, rows.key_mask[:, 0], rows.next_pos[:, 0], rows.slot, rows.logits[:, 0])
+def init_parking(decoder: Decoder, slots: int, width: int) -> DecodeState:
+    """Where admitted prompts wait for their source: `slots` batch-1 states of `width` columns
+    (the longest prompt bucket), stacked, placed as the pool."""
+    return _placed(decoder, slots, lambda: _stacked_rows(decoder, slots, width))
 
 
-def _gather(pool: SlotPool, rows) -> DecodeState:
-    """Pool rows `rows` [R] as stacked batch-1 states (an index past the pool reads the last row)."""
-    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), _rows(pool))
+@jax.jit
+def stage_keys(rng: jax.Array, row_ids) -> jax.Array:
+    """[rows, 2, key words] uint32: each row's verbalization and answer keys, as `route` keys its
+    phases (`rng` folded with the phase, then with the row's id: `sampler.row_keys`)."""
+    return jnp.stack([jax.random.key_data(row_keys(jax.random.fold_in(rng, phase), row_ids)) for phase in (0, 1)], 1)
 
 
-def _scatter(pool: SlotPool, rows, part: DecodeState) -> SlotPool:
-    """`part`'s stacked batch-1 states written to pool rows `rows`; indices past the pool dropped."""
-    return _pool(jax.tree.map(lambda whole, x: whole.at[rows].set(x, mode="drop"), _rows(pool), part))
+def _fit_columns(state: DecodeState, width: int) -> DecodeState:
+    """Stacked batch-1 states cut or zero-padded to `width` columns (the cut ones hold no token)."""
+    def fit(x, axis):
+        x = jax.lax.slice_in_dim(x, 0, min(width, x.shape[axis]), axis=axis)
+        return jnp.pad(x, [(0, width - x.shape[axis] if a == axis else 0) for a in range(x.ndim)])
+    return state._replace(cache=tuple(LayerCache(fit(c.k, 2), fit(c.v, 2)) for c in state.cache),
+                          key_mask=fit(state.key_mask, 2))
 
 
 @partial(nnx.jit, static_argnames=("length", "hidden_layer"), donate_argnums=1)
-def admit_rows(decoder: Decoder, pool: SlotPool, rows, ids, mask, length: int, hidden_layer: int):
+def admit(decoder: Decoder, parking: DecodeState, rows, ids, mask, length: int, hidden_layer: int):
     """Question prefills: row i of the left-padded ids/mask [R, t] is extended onto a fresh batch-1
-    state of `length` cache columns (what `route` runs for that question alone) and becomes pool
-    row rows[i], its columns from 0 (the pool's longer rows keep the rest masked). Returns (pool,
-    each row's next-token logits [R, vocab], `hidden_layer`'s state at its last token [R, hidden])."""
+    state of `length` cache columns (what `route` runs for that question alone) and parked in
+    parking row rows[i] (an index past the parking is dropped). Returns (parking, each row's
+    next-token logits [R, vocab], `hidden_layer`'s state at its last token [R, hidden])."""
     fresh = init_state(decoder, 1, length)
     new, hidden = jax.vmap(lambda i, m: _extend(decoder, fresh, i, m, hidden_layer))(ids[:, None], mask[:, None])
-    width = pool.key_mask.shape[1]
-    pad = lambda x, axis: jnp.pad(x, [(0, width - length if a == axis else 0) for a in range(x.ndim)])
-    new = new._replace(cache=tuple(LayerCache(pad(c.k, 2), pad(c.v, 2)) for c in new.cache),
-                       key_mask=pad(new.key_mask, 2))
-    return _scatter(pool, rows, new), new.logits[:, 0], hidden[:, 0]
+    new = _fit_columns(new, parking.key_mask.shape[-1])
+    parking = jax.tree.map(lambda whole, x: whole.at[rows].set(x, mode="drop"), parking, new)
+    return parking, new.logits[:, 0], hidden[:, 0]
 
 
 @partial(nnx.jit, donate_argnums=1)
-def prefill_rows(decoder: Decoder, pool: SlotPool, rows, ids, mask) -> SlotPool:
-    """Appends row i of the left-padded chunks ids/mask [R, t] to pool row rows[i], as
-    `sampler.extend` appends it to that row alone (one forward pass over the R rows)."""
-    new = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])(_gather(pool, rows), ids[:, None], mask[:, None])
-    return _scatter(pool, rows, new)
+def enter(decoder: Decoder, pool: SlotPool, parking: DecodeState, rows, source, ids, mask, stage, budget,
+          temperature, top_p, keys) -> SlotPool:
+    """Parked rows `rows` [R] enter the pool in the same rows: each one's `source` token [R] and
+    then its left-padded chunk ids/mask [R, w] (w may be 0: a `<Self>` row's knowledge is its
+    own) are appended as `route` appends them alone, and the row is placed in the ring with its
+    last column just before the head. Its program: `stage` [R] (VERBAL or ANSWER), `budget` [R, 2]
+    (verbalization, answer), `temperature`, `top_p` [R], `keys` [R, 2, words] (`stage_keys`).
+    Indices past the pool are padding: they read a real row and are never written."""
+    width = pool.state.key_mask.shape[-1]
+    parked = _fit_columns(jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), parking), width)
+    extend = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])
+    new = extend(parked, source[:, None, None], jnp.ones((source.shape[0], 1, 1), bool))
+    if ids.shape[1]:
+        new = extend(new, ids[:, None], mask[:, None])
+    # Row r's column j goes to ring column (j + head - used) mod width: its last one ends at head - 1.
+    shift = pool.state.slot - new.slot
+    roll = jax.vmap(lambda x, s: jnp.roll(x, s, axis=-2 if x.ndim == 3 else -1))
+    cache = tuple(LayerCache(roll(c.k, shift), roll(c.v, shift)) for c in new.cache)
+    placed = DecodeState(cache, roll(new.key_mask[:, 0], shift), new.next_pos[:, 0], pool.state.slot,
+                         new.logits[:, 0])
+    put = lambda whole, x: whole.at[rows].set(x, mode="drop")
+    state = jax.tree.map(put, pool.state._replace(slot=None), placed._replace(slot=None))._replace(slot=pool.state.slot)
+    tail_len = jnp.iinfo(jnp.int32).max  # nothing to feed: the tail is in the chunk, or comes after <EOK>
+    return SlotPool(state, put(pool.stage, stage), put(pool.count, jnp.zeros_like(stage)),
+                    put(pool.fed, jnp.full_like(stage, tail_len)), put(pool.budget, budget),
+                    put(pool.temperature, temperature), put(pool.top_p, top_p), put(pool.keys, keys))
 
 
-def sample_rows(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """logits [slots, vocab] -> token ids [slots]: greedy where temperature is 0, else a draw
-    from the row's top-p nucleus (`sampler.nucleus`) at its temperature."""
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits [slots, vocab] -> token ids [slots]: greedy where temperature is 0, else row i's draw
+    with its own key keys[i] from its top-p nucleus at its temperature (`sampler.sample_tokens`)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
 
     def draw():
         scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-        return jax.random.categorical(key, nucleus(scaled, top_p[:, None]), axis=-1).astype(jnp.int32)
+        candidates = jnp.where((top_p < 1.0)[:, None], nucleus(scaled, top_p[:, None]), scaled)
+        return jax.vmap(jax.random.categorical)(keys, candidates).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(sampled), draw, lambda: greedy)
     return jnp.where(sampled, drawn, greedy)
 
 
+def step(decoder: Decoder, pool: SlotPool, verbal_stops, answer_stops, tail):
+    """One decode step over every slot: each running row's next token (the tail's next one while
+    it is being fed, else its draw) is written at the head. `verbal_stops` [n] end a
+    verbalization (`<EOK>`, EOS), `answer_stops` [m] an answer (EOS); `tail` [T] is `<EOK>
+    Answer:`. Returns (pool, tokens [slots], their kinds [slots]: VERBAL, ANSWER, FORCED or IDLE
+    for a row that did not run, rows whose answer ended [slots])."""
+    live = pool.stage != IDLE
+    feeding = pool.fed < tail.shape[0]
+    stage_key = jnp.take_along_axis(pool.keys, jnp.clip(pool.stage - 1, 0, 1)[:, None, None], axis=1)[:, 0]
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(stage_key), pool.count)
+    drawn = sample_rows(pool.state.logits, keys, pool.temperature, pool.top_p)
+    tok = jnp.where(feeding, tail[jnp.clip(pool.fed, 0, tail.shape[0] - 1)], drawn)
+    state, _ = _extend(decoder, pool.state, jnp.where(live, tok, 0)[:, None], live[:, None])
+    state = state._replace(slot=state.slot % state.key_mask.shape[-1])  # the ring's next column
+    sampled = live & ~feeding
+    count = pool.count + sampled
+    ends = lambda stops, phase: jnp.any(tok[:, None] == stops, -1) | (count >= pool.budget[:, phase])  # noqa: E731
+    verbal_end = sampled & (pool.stage == VERBAL) & ends(verbal_stops, 0)
+    answer_end = sampled & (pool.stage == ANSWER) & ends(answer_stops, 1)
+    kind = jnp.where(~live, IDLE, jnp.where(feeding, FORCED, pool.stage))
+    # A verbalization that ended on <EOK> is fed the tail without it.
+    fed = jnp.where(verbal_end, (tok == tail[0]).astype(jnp.int32), pool.fed + (live & feeding))
+    pool = pool._replace(state=state, count=jnp.where(verbal_end, 0, count), fed=fed,
+                         stage=jnp.where(verbal_end, ANSWER, jnp.where(answer_end, IDLE, pool.stage)))
+    return pool, jnp.where(live, tok, NO_TOKEN), kind, answer_end
+
+
 @partial(nnx.jit, static_argnames=("max_steps",), donate_argnums=1)
-def steps(decoder: Decoder, pool: SlotPool, live, stop_ids, budget, temperature, top_p, key, max_steps: int):
-    """Decode steps over every slot in a `lax.while_loop`, until a live row ends (emits one of its
-    `stop_ids` [slots, n], NO_TOKEN-padded, or reaches its `budget` [slots] of tokens) or after
-    `max_steps`: each step picks each live row's next token (`sample_rows`) and appends it to the
-    row's cache; other rows keep their state. A row's tokens are those of `sampler.decode` for it
-    alone. Returns (pool, tokens [slots, max_steps] (NO_TOKEN where none), steps run)."""
-    slots = budget.shape[0]
+def steps(decoder: Decoder, pool: SlotPool, stop, verbal_stops, answer_stops, tail, max_steps: int):
+    """`step`s in a `lax.while_loop` until a row's answer ends (its slot is free to take a new
+    request), no row runs, or after `max_steps`; the rows where `stop` [slots] is true (cancelled
+    requests) idle from the first. Returns (pool, tokens and kinds [slots, max_steps] (NO_TOKEN
+    and IDLE where a row did not run), steps run)."""
+    slots = pool.stage.shape[0]
+    pool = pool._replace(stage=jnp.where(stop, IDLE, pool.stage))
 
     def cond(carry):
-        step, _, _, ended = carry
-        return (step < max_steps) & ~jnp.any(ended)
+        n, pool, _, _, ended = carry
+        return (n < max_steps) & ~ended & jnp.any(pool.stage != IDLE)
 
     def body(carry):
-        step, pool, tokens, _ = carry
-        tok = sample_rows(pool.logits, jax.random.fold_in(key, step), temperature, top_p)
-        rows = _rows(pool)
-        new = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])(
-            rows, jnp.where(live, tok, 0)[:, None, None], live[:, None, None])
-        # An idle row's state is kept: its column is not consumed (what was written there stays masked).
-        pool = _pool(new._replace(slot=jnp.where(live, new.slot, rows.slot)))
-        tokens = tokens.at[:, step].set(jnp.where(live, tok, NO_TOKEN))
-        ended = live & (jnp.any(tok[:, None] == stop_ids, axis=-1) | (step + 1 >= budget))
-        return step + 1, pool, tokens, ended
+        n, pool, tokens, kinds, _ = carry
+        pool, tok, kind, answered = step(decoder, pool, verbal_stops, answer_stops, tail)
+        return n + 1, pool, tokens.at[:, n].set(tok), kinds.at[:, n].set(kind), jnp.any(answered)
 
-    init = (jnp.zeros((), jnp.int32), pool, jnp.full((slots, max_steps), NO_TOKEN, jnp.int32), jnp.zeros((slots,), bool))
-    count, pool, tokens, _ = jax.lax.while_loop(cond, body, init)
-    return pool, tokens, count
+    init = (jnp.zeros((), jnp.int32), pool, jnp.full((slots, max_steps), NO_TOKEN, jnp.int32),
+            jnp.full((slots, max_steps), IDLE, jnp.int32), jnp.zeros((), bool))
+    count, pool, tokens, kinds, _ = jax.lax.while_loop(cond, body, init)
+    return pool, tokens, kinds, count

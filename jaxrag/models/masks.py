@@ -26,14 +26,18 @@ def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int
     and with `segment_ids` [b, t] (no cache) only keys of the query's own packed document; each
     query also sees its own slot, so no row is empty.
 
-    Query t sits at slot `cache_index + t` of the key axis (0 without a cache).
+    Query t sits at slot `cache_index + t` of the key axis (0 without a cache). A single query
+    (a decode step) sees every key its row holds, wherever it sits: no key of a cache is ahead
+    of the step writing it, and a slot pool's cache is a ring (`decode.slots`) whose older
+    columns may follow the newest; a window counts the slots back around the ring.
     """
     s = key_mask.shape[-1]
     q_slot = cache_index + jnp.arange(query_len)[:, None]
     k_slot = jnp.arange(s)[None, :]
-    allowed = k_slot <= q_slot
+    back = (q_slot - k_slot) % s if query_len == 1 else q_slot - k_slot
+    allowed = back >= 0
     if sliding_window is not None:
-        allowed &= q_slot - k_slot < sliding_window
+        allowed &= back < sliding_window
     allowed = allowed[None] & key_mask[:, None, :].astype(bool)
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]

@@ -1,25 +1,27 @@
-"""Continuous batching for SR-RAG: a fixed pool of decode slots, each request in a phase of its own.
+"""Continuous batching for SR-RAG: the slot pool of `decode.slots`, each request in a phase of its own.
 
-    queue --admit--> T_d: the question prefill (`sampler.extend`, as `routing.route` on one row), p_M,
-                     the policy (p_M x kNN p_D), the source token; the row joins the pool
-       <Self>  -> verbalize: pool steps until <EOK> / EOS / budget       (T_v)
+    queue --admit--> T_d: the question prefill (as `routing.route` runs it on one row), p_M, the
+                     policy (p_M x kNN p_D); the prompt waits in its parking row
+       <Self>  -> enters the pool with its source token: verbalizes until <EOK> / EOS / budget
+                  (T_v), is fed `<EOK> Answer:` and answers (T_g), all on the device
        <Wiki>  -> retrieval worker (batched over the rows waiting)       (T_r)
-       <None>  -> nothing
-            -> knowledge chunk + `<EOK> Answer:` into the row, then answer steps  (T_g)
+                  -> enters with its source token, passages and `<EOK> Answer:`; answers (T_g)
+       <None>  -> enters with its source token and `<EOK> Answer:`; answers (T_g)
 
-One engine thread runs the loop: admit what fits, hand finished retrievals back, prefill the
-knowledge of the rows that have it, decode steps over every decoding row (`slots.steps`, on
-device until a row ends its phase), repeat. Rows that reach a prefill together share one call
-(`slots.admit_rows`: the questions admitted together whose prompts share a length bucket;
-`slots.prefill_rows`: source tokens, knowledge chunks of one width), padded to a power of two
-up to the slot count. Retrieval runs on its own thread, so a row waiting for passages never
-stalls the others, and questions that need passages at the same time share one encoder + index
-call. Every prefill and decode shape is bucketed and compiled by `warm_up` before the first
-request; the metrics count the programs traced after it (zero while serving).
+One engine thread runs the loop: admit what fits, hand finished retrievals back, let the rows
+that have their knowledge enter the pool, run decode steps over every slot (`slots.steps`, on the
+device until a row's answer ends), repeat. Rows that reach a prefill together share one call
+(`slots.admit`: the questions admitted together whose prompts share a length bucket;
+`slots.enter`: the rows whose chunks share a width), padded to a power of two up to the slot
+count. Retrieval runs on its own thread, so a row waiting for passages never stalls the others,
+and questions that need passages at the same time share one encoder + index call. Every prefill
+and decode shape is bucketed and compiled by `warm_up` before the first request; the metrics
+count the programs traced after it (zero while serving).
 
-A row's prefills and decode steps compute what `route` computes for that question alone (same
-prompt bucket, cache length, columns and positions), mapped over the rows of a wider batch:
-greedy answers and traces equal `SRRAG.ask([q])` (`tests/test_serve.py`).
+A row's prefills compute what `route` computes for that question alone (same prompt bucket, cache
+length, columns and positions) and its steps read the same keys: greedy answers and traces equal
+`SRRAG.ask([q])`, and a sampled row draws with its own keys (`slots.stage_keys`, the request's
+serial number as its row id) whatever shares the pool (`tests/test_serve.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from flax import nnx
 
 from jaxrag.decode.policy import PolicyInputs, source_probabilities
 from jaxrag.decode.routing import Routed, answer_text, knowledge_chunk, knowledge_text, phase_lengths
-from jaxrag.decode.sampler import NO_TOKEN, bucket, left_pad, stop_matrix
-from jaxrag.decode.slots import admit_rows, init_pool, prefill_rows, steps
+from jaxrag.decode.sampler import NO_TOKEN, bucket, left_pad
+from jaxrag.decode.slots import ANSWER, VERBAL, admit, enter, init_parking, init_pool, stage_keys, steps
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import EOK, NONE, SELF, source_token
 from jaxrag.policies.srrag import srrag_policy
@@ -47,7 +49,7 @@ from jaxrag.serve.retrieval import RetrievalWorker
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
-# Decode steps per call at most: a call also ends as soon as a row ends its phase, so a waiting
+# Decode steps per call at most: a call also ends as soon as a row's answer ends, so a waiting
 # request joins within this many steps, and the host's work per call is spread over them.
 STEPS_PER_CALL = 16
 
@@ -77,24 +79,34 @@ class Engine:
         # rows per prefill call: powers of two up to the slot count
         self.row_buckets = sorted({min(1 << b, self.slots) for b in range(self.slots.bit_length() + 1)})
         self.max_k = min(MAX_K, len(system.datastore))
-        self.pool = init_pool(self.dec, self.slots, self._length(self.prompt_buckets[-1]))
+        self.verbal_stops = jnp.asarray([self.eok, *self.eos], jnp.int32)
+        self.answer_stops = jnp.asarray(self.eos or [NO_TOKEN], jnp.int32)
+        self.tail_ids = jnp.asarray(self.tail, jnp.int32)
+        self.pool, self.parking = self._new_pool()
         self.rows: list[Job | None] = [None] * self.slots
         self.waiting: collections.deque[Job] = collections.deque()
         self.found: list[tuple[Job, list]] = []
-        self.ready: list[tuple[Job, list[int]]] = []  # knowledge chunks to prefill, this loop
+        self.ready: list[tuple[Job, list[int]]] = []  # rows to enter the pool, with their chunks, this loop
+        self.pending = None  # the last call of steps dispatched: its outputs and the jobs it ran
+        self.idle_next = np.zeros(self.slots, bool)  # rows of cancelled requests, idled by the next call of steps
         self.cv = threading.Condition()
-        self.stopping, self.dispatches, self.key = False, 0, jax.random.key(0)
+        self.stopping, self.dispatches, self.serial, self.key = False, 0, 0, jax.random.key(0)
         self.draining, self.failure, self.rebuilds = False, None, 0  # SIGTERM; the loop's fatal error; pools rebuilt
         self.metrics = Metrics(self)
         # The decoder bound once: nnx.jit would walk its module graph on every call.
-        self._admit_rows, self._prefill_rows, self._steps = (nnx.cached_partial(f, self.dec)
-                                                             for f in (admit_rows, prefill_rows, steps))
+        self._admit_rows, self._enter_rows, self._steps = (nnx.cached_partial(f, self.dec)
+                                                           for f in (admit, enter, steps))
         self.retrieval = RetrievalWorker(system, self.slots, self._deliver, self._fail)
         self.threads = [threading.Thread(target=self._loop, name="srrag-engine", daemon=True), self.retrieval.thread]
 
     def _length(self, plen: int) -> int:
         """Cache slots of a question of `plen` (bucketed) tokens, as `route` sizes it alone."""
         return plen + 1 + self.vlen + self.klen + self.alen
+
+    def _new_pool(self):
+        """The pool, whose ring holds the longest question's columns, and its parking rows."""
+        return (init_pool(self.dec, self.slots, self._length(self.prompt_buckets[-1])),
+                init_parking(self.dec, self.slots, self.prompt_buckets[-1]))
 
     # --- intake (any thread) --------------------------------------------------------------
 
@@ -174,12 +186,10 @@ class Engine:
             rows = np.full(n, self.slots, np.int32)  # padding rows only: the pool is not written
             for plen in self.prompt_buckets:
                 p_src, hidden = self._prefill_questions(rows, [[filler] * plen] * n)
-            for width in [1, *self.chunk_buckets]:
-                self._prefill(rows, [[filler] * width] * n, width)
+            for width in [0, *self.chunk_buckets]:
+                self._enter(rows, [None] * n, [[filler] * width] * n, width)
         self._policy(self.system.k)(PolicyInputs([""], self.sources, p_src[:1], hidden[:1]))
-        self._run_steps(np.ones(self.slots, bool), np.full((self.slots, 2), NO_TOKEN, np.int32),
-                        np.ones(self.slots, np.int32), np.full(self.slots, 0.5, np.float32),
-                        np.full(self.slots, 0.9, np.float32))
+        jax.block_until_ready(self._dispatch())
         encoder = self.system.retriever.encoder
         for length in encoder.buckets():
             words = max(1, length - 2)
@@ -214,41 +224,47 @@ class Engine:
                     self.cv.wait()
                 for i, job in enumerate(self.rows):
                     if job is not None and job.cancelled:
+                        self.idle_next[i] |= job.phase in ("verbalize", "answer")
                         self._free(job, "cancelled")
                 admit = []
+                # A slot per row waiting for its passages or holding them (each keeps its own).
                 while self.waiting and None in self.rows:
                     job = self.waiting.popleft()
                     if job.cancelled:
                         self.metrics.finished("cancelled")
                         continue
-                    job.slot = self.rows.index(None)
-                    self.rows[job.slot] = job
+                    job.slot, job.serial = self.rows.index(None), self.serial
+                    self.rows[job.slot], self.serial = job, self.serial + 1
                     admit.append(job)
                 found, self.found = self.found, []
-            for jobs in _grouped(admit, lambda job: bucket(len(job.prompt))).values():
-                self._together(jobs, self._admit)
-            for job, hits in found:
-                if self.rows[job.slot] is job and not job.cancelled:
-                    self._guarded(job, lambda j: self._retrieved(j, hits))
-            self._prefill_knowledge()
-            if any(j is not None and j.phase in ("verbalize", "answer") for j in self.rows):
-                try:
-                    self._step()
-                except Exception as e:
-                    self._rebuild(e)
-                self._prefill_knowledge()
+            try:
+                for jobs in _grouped(admit, lambda job: bucket(len(job.prompt))).values():
+                    self._admit(jobs)
+                for job, hits in found:
+                    if self.rows[job.slot] is job and not job.cancelled:
+                        self._guarded(job, lambda j: self._retrieved(j, hits))
+                self._enter_ready()
+                # The next call of steps is dispatched before the last one's tokens are read: the
+                # device runs it while this thread reads, streams and admits.
+                previous, self.pending = self.pending, None
+                if any(j is not None and j.phase in ("verbalize", "answer") for j in self.rows):
+                    self.pending = self._dispatch()
+                if previous is not None:
+                    self._read(*previous)
+            except Exception as e:
+                self._rebuild(e)
 
     def _rebuild(self, e: Exception) -> None:
-        """A failed call of decode steps took the pool with it (donated): every row in the pool
-        fails (its cache is gone), and a fresh pool serves the queue."""
+        """A failed device call took the pool or the parking with it (donated): every request
+        holding a slot fails (its cache is gone), and a fresh pool serves the queue."""
         for job in [j for j in self.rows if j is not None]:
             self._fail(job, e)
-        self.ready = []
-        self.pool = init_pool(self.dec, self.slots, self._length(self.prompt_buckets[-1]))
+        self.ready, self.pending, self.idle_next[:] = [], None, False
+        self.pool, self.parking = self._new_pool()
         self.rebuilds += 1
 
     def _work(self) -> bool:
-        return bool(self.found or (self.waiting and None in self.rows)
+        return bool(self.found or self.pending is not None or (self.waiting and None in self.rows)
                     or any(j is not None and (j.cancelled or j.phase in ("verbalize", "answer")) for j in self.rows))
 
     def _guarded(self, job: Job, fn) -> None:
@@ -256,14 +272,6 @@ class Engine:
             fn(job)
         except Exception as e:  # one request's failure is its own; the engine keeps serving
             self._fail(job, e)
-
-    def _together(self, jobs: list[Job], fn) -> None:
-        """fn(jobs), one call for rows that share a program; its failure fails those rows only."""
-        try:
-            fn(jobs)
-        except Exception as e:
-            for job in jobs:
-                self._fail(job, e)
 
     def _fail(self, job: Job, e: Exception) -> None:
         with self.cv:
@@ -283,16 +291,32 @@ class Engine:
 
     def _prefill_questions(self, rows: np.ndarray, prompts: list[list[int]]):
         """T_d's prefill as `route` runs it on one row, for each prompt (one length bucket) into
-        its row: p_M [rows, sources] and the hidden state at <EOQ> [rows, hidden]."""
+        its parking row: p_M [rows, sources] and the hidden state at <EOQ> [rows, hidden]."""
         plen = bucket(max(map(len, prompts)))
         ids, mask = left_pad(prompts, plen, len(rows))
-        self.pool, logits, hidden = self._admit_rows(self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(mask),
-                                                     length=self._length(plen), hidden_layer=self.cfg.hidden_layer)
+        self.parking, logits, hidden = self._admit_rows(self.parking, jnp.asarray(rows), jnp.asarray(ids),
+                                                        jnp.asarray(mask), length=self._length(plen),
+                                                        hidden_layer=self.cfg.hidden_layer)
         return source_probabilities(logits, self.src_ids), np.asarray(hidden)
 
-    def _prefill(self, rows: np.ndarray, chunks: list[list[int]], width: int) -> None:
-        ids, mask = left_pad(chunks, width, len(rows))
-        self.pool = self._prefill_rows(self.pool, jnp.asarray(rows), jnp.asarray(ids), jnp.asarray(mask))
+    def _enter(self, rows: np.ndarray, jobs: list[Job | None], chunks: list[list[int]], width: int) -> None:
+        """Parked rows into the pool: each job's source token and chunk (`width` columns; 0 for
+        a `<Self>` row, which verbalizes first), its budgets, sampling and keys."""
+        n = len(rows)
+        self.idle_next[rows[rows < self.slots]] = False  # a cancelled request's row, now another's
+        ids, mask = left_pad(chunks, width, n)
+        pad = [None] * (n - len(jobs))
+        source = [self.src_ids[self.sources.index(j.source)] if j else 0 for j in [*jobs, *pad]]
+        answer = [(j.options.max_tokens or self.cfg.max_answer_tokens) if j else 1 for j in [*jobs, *pad]]
+        budget = np.array([[self.cfg.max_verbal_tokens, a] for a in answer], np.int32)
+        option = lambda name, default: np.array([getattr(j.options, name) if j else default for j in [*jobs, *pad]],
+                                                np.float32)
+        serials = np.array([j.serial if j else 0 for j in [*jobs, *pad]], np.uint32)
+        self.pool = self._enter_rows(self.pool, self.parking, jnp.asarray(rows), jnp.asarray(source, jnp.int32),
+                                     jnp.asarray(ids), jnp.asarray(mask),
+                                     jnp.full(n, VERBAL if width == 0 else ANSWER, jnp.int32), jnp.asarray(budget),
+                                     jnp.asarray(option("temperature", 0.0)), jnp.asarray(option("top_p", 1.0)),
+                                     stage_keys(self.key, jnp.asarray(serials)))
 
     def _policy(self, k: int):
         """SR-RAG's policy with p_D from the k nearest entries (one search at `max_k`: one program)."""
@@ -302,10 +326,10 @@ class Engine:
 
     def _admit(self, jobs: list[Job]) -> None:
         """T_d for questions admitted together whose prompts share a length bucket: their
-        prefills in one call, each one's policy, their source tokens in one call."""
+        prefills in one call, then each one's policy; the rows that need no passages are ready
+        to enter the pool, the others go to the retrieval worker."""
         start = time.perf_counter()
-        rows = self._row_indices(jobs)
-        p_src, hidden = self._prefill_questions(rows, [job.prompt for job in jobs])
+        p_src, hidden = self._prefill_questions(self._row_indices(jobs), [job.prompt for job in jobs])
         for i, job in enumerate(jobs):
             job.latency["queue"] = start - job.submitted
             inputs = PolicyInputs([job.question], self.sources, p_src[i:i + 1], hidden[i:i + 1])
@@ -314,14 +338,11 @@ class Engine:
             job.p_model = p_src[i].tolist()
             job.p_datastore = None if decision.p_datastore is None else np.asarray(decision.p_datastore[0]).tolist()
             job.score = None if decision.score is None else float(decision.score[0])
-        self._prefill(rows, [[self.src_ids[self.sources.index(job.source)]] for job in jobs], 1)
-        jax.block_until_ready(self.pool)
         t_d = time.perf_counter() - start
         for job in jobs:
             job.latency["T_d"] = t_d
             if job.source == SELF:
-                job.phase, job.tokens, job.budget, job.stops = "verbalize", [], self.cfg.max_verbal_tokens, [self.eok, *self.eos]
-                job.phase_start = time.perf_counter()
+                self.ready.append((job, []))
             elif job.source == NONE:
                 self._knowledge(job, [])
             else:
@@ -333,62 +354,72 @@ class Engine:
         job.hits = [{"id": h.passage.id, "title": h.passage.title} for h in hits]
         self._knowledge(job, [h.passage.to_prompt() for h in hits])
 
-    def _knowledge(self, job: Job, passages: list[str] | None) -> None:
-        """The row's knowledge chunk (passages; nothing for Self, whose verbalization is in the
-        row) and `<EOK> Answer:`, prefilled by `_prefill_knowledge` in this loop; T_g starts
-        (as `route` times it)."""
-        job.phase_start = time.perf_counter()
+    def _knowledge(self, job: Job, passages: list[str]) -> None:
+        """The row's knowledge chunk (its passages, or none) and `<EOK> Answer:`, with which it
+        enters the pool in this loop (`_enter_ready`)."""
         job.passages = passages
-        has_eok = job.verbal_stopped and bool(job.verbal) and job.verbal[-1] == self.eok
-        chunk, job.truncated = knowledge_chunk(self.tok, passages, job.verbal_stopped, has_eok, self.tail,
+        chunk, job.truncated = knowledge_chunk(self.tok, passages, False, False, self.tail,
                                                self.cfg.max_knowledge_tokens)
         job.phase, job.chunk_tokens = "knowledge", len(chunk)
         self.ready.append((job, chunk))
 
-    def _prefill_knowledge(self) -> None:
-        """The ready rows' chunks into their rows, one call per chunk width; then their answer phase."""
+    def _enter_ready(self) -> None:
+        """The ready rows into the pool, one call per chunk width: `<Self>` rows verbalize, the
+        others answer (T_g starts, as `route` times it)."""
         ready = [(job, chunk) for job, chunk in self.ready if self.rows[job.slot] is job and not job.cancelled]
         self.ready = []
-        for width, group in _grouped(ready, lambda item: min(self.klen, bucket(len(item[1])))).items():
+        width_of = lambda item: min(self.klen, bucket(len(item[1]))) if item[1] else 0  # noqa: E731
+        for width, group in _grouped(ready, width_of).items():
             jobs = [job for job, _ in group]
-            self._together(jobs, lambda jobs: self._prefill(self._row_indices(jobs), [c for _, c in group], width))
+            self._enter(self._row_indices(jobs), jobs, [c for _, c in group], width)
             for job in jobs:
-                if job.phase == "knowledge":
-                    job.phase, job.tokens, job.stops = "answer", [], self.eos
-                    job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
+                job.phase, job.tokens = ("verbalize" if width == 0 else "answer"), []
+                job.phase_start = time.perf_counter()
+                job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
 
-    def _step(self) -> None:
-        live = np.array([j is not None and j.phase in ("verbalize", "answer") for j in self.rows])
-        rows = [(j if on else None) for j, on in zip(self.rows, live)]
-        stops = stop_matrix([j.stops if j else [] for j in rows], self.slots)
-        stops = np.pad(stops, ((0, 0), (0, 2 - stops.shape[1])), constant_values=NO_TOKEN)  # one width: one program
-        budget = np.array([j.budget - len(j.tokens) if j else 0 for j in rows], np.int32)
-        temperature = np.array([j.options.temperature if j else 0.0 for j in rows], np.float32)
-        top_p = np.array([j.options.top_p if j else 1.0 for j in rows], np.float32)
+    def _dispatch(self):
+        """One call of decode steps, dispatched (not waited for): its outputs and the jobs it runs."""
+        live = [(slot, j) for slot, j in enumerate(self.rows) if j is not None and j.phase in ("verbalize", "answer")]
+        stop, self.idle_next = self.idle_next, np.zeros(self.slots, bool)
+        self.pool, tokens, kinds, _ = self._steps(self.pool, jnp.asarray(stop), self.verbal_stops, self.answer_stops,
+                                                  self.tail_ids, max_steps=STEPS_PER_CALL)
+        self.dispatches += 1
+        return tokens, kinds, live
+
+    def _read(self, tokens, kinds, live) -> None:
+        """A call's tokens, by kind, into its jobs (those still holding their slots): the
+        verbalization, whose end starts the answer, and the answer, streamed and finished."""
         start = time.perf_counter()
-        tokens = self._run_steps(live, stops, budget, temperature, top_p)
-        self.metrics.stepped(time.perf_counter() - start, int(live.sum()), int((tokens != NO_TOKEN).sum()))
-        for slot in np.flatnonzero(live):
-            job = self.rows[slot]
-            new = [int(t) for t in tokens[slot] if t != NO_TOKEN]
-            job.tokens += new
-            hit = bool(new) and new[-1] in job.stops
+        tokens, kinds = np.asarray(tokens), np.asarray(kinds)
+        slots = [slot for slot, _ in live]
+        self.metrics.stepped(time.perf_counter() - start, len(live), int(np.isin(kinds[slots], (VERBAL, ANSWER)).sum()))
+        verbal_stops = {self.eok, *self.eos}
+        for slot, job in live:
+            if self.rows[slot] is not job or job.phase not in ("verbalize", "answer"):
+                continue
+            for token, kind in zip(tokens[slot].tolist(), kinds[slot].tolist()):
+                if kind == VERBAL:
+                    job.verbal.append(token)
+                    if token in verbal_stops or len(job.verbal) >= self.cfg.max_verbal_tokens:
+                        self._verbalized(job, token in verbal_stops)
+                elif kind == ANSWER:
+                    job.tokens.append(token)
             if job.phase == "answer":
                 self._stream(job)
-            if hit or len(job.tokens) >= job.budget:
-                if job.phase == "verbalize":
-                    job.latency["T_v"] = time.perf_counter() - job.phase_start
-                    job.verbal, job.verbal_stopped = job.tokens, hit
-                    self._guarded(job, lambda j: self._knowledge(j, None))
-                else:
+                hit = bool(job.tokens) and job.tokens[-1] in self.eos
+                if hit or len(job.tokens) >= job.budget:
                     self._finish(job, "stop" if hit else "length")
 
-    def _run_steps(self, live, stops, budget, temperature, top_p) -> np.ndarray:
-        self.pool, tokens, _ = self._steps(self.pool, jnp.asarray(live), jnp.asarray(stops), jnp.asarray(budget),
-                                           jnp.asarray(temperature), jnp.asarray(top_p),
-                                           jax.random.fold_in(self.key, self.dispatches), max_steps=STEPS_PER_CALL)
-        self.dispatches += 1
-        return np.asarray(tokens)
+    def _verbalized(self, job: Job, stopped: bool) -> None:
+        """A `<Self>` row's verbalization ended on the device, which feeds it `<EOK> Answer:`
+        (without `<EOK>` when it wrote one): T_v ends, T_g starts."""
+        now = time.perf_counter()
+        job.latency["T_v"], job.phase_start, job.phase = now - job.phase_start, now, "answer"
+        job.verbal_stopped = stopped
+        has_eok = stopped and job.verbal[-1] == self.eok
+        chunk, job.truncated = knowledge_chunk(self.tok, None, stopped, has_eok, self.tail,
+                                               self.cfg.max_knowledge_tokens)
+        job.chunk_tokens = len(chunk)
 
     def _stream(self, job: Job) -> None:
         """The answer's new text, held back while it ends in whitespace or half a character."""

@@ -48,6 +48,7 @@ class Job:
         self.question, self.prompt, self.options, self.listener = question, prompt, options, listener
         self.cancelled = False
         self.slot: int | None = None
+        self.serial = 0  # the engine's count of admissions before it: its sampling keys' row id
         self.submitted = time.perf_counter()
         self.latency: dict[str, float] = {}
         self.phase = "queued"
@@ -59,5 +60,5 @@ class Job:
         self.sent = ""  # answer text streamed so far
         # set at admission and at each phase change
         self.source, self.p_model, self.p_datastore, self.score = None, None, None, None
-        self.budget, self.stops, self.truncated, self.phase_start = 0, [], False, 0.0
-        self.chunk_tokens = 0  # the knowledge chunk's length (passages, `<EOK> Answer:`), once prefilled
+        self.budget, self.truncated, self.phase_start = 0, False, 0.0  # budget: the answer's tokens
+        self.chunk_tokens = 0  # the knowledge chunk's length (passages, `<EOK> Answer:`) once read
