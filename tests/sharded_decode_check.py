@@ -96,9 +96,9 @@ if __name__ == "__main__":
         ids, mask = sampler.left_pad([PROMPTS[1][:-1]], 16, 1)
         parking, _, _ = slots.admit(dec, parking, jnp.array([5]), jnp.asarray(ids), jnp.asarray(mask), length=32,
                                     hidden_layer=1)
-        pool = slots.enter(dec, pool, parking, jnp.array([5]), jnp.array([PROMPTS[1][-1]]),
-                           jnp.zeros((1, 0), jnp.int32), jnp.zeros((1, 0), bool), jnp.array([slots.ANSWER]), jnp.array([[1, 10]]), jnp.zeros(1),
-                           jnp.ones(1), slots.stage_keys(jax.random.key(0), jnp.zeros(1, jnp.uint32)))
+        pool = slots.enter(dec, pool, parking, jnp.array([5]), jnp.array([5]), jnp.array([PROMPTS[1][-1]]),
+                           jnp.zeros((1, 0), jnp.int32), jnp.zeros((1, 0), bool), jnp.array([slots.ANSWER]),
+                           jnp.array([[1, 10]]), jnp.zeros(1), jnp.ones(1), slots.stage_keys(jax.random.key(0), jnp.zeros(1, jnp.uint32)))
         none = jnp.array([sampler.NO_TOKEN])
         pool, tokens, _, _ = slots.steps(dec, pool, jnp.zeros(8, bool), none, none, jnp.array([0, 0]), max_steps=10)
         return pool, np.asarray(tokens)[5].tolist()
@@ -139,7 +139,8 @@ if __name__ == "__main__":
     assert all_done.wait(600)
     engine.stop()
     assert engine.metrics.counted["serving"] == 0, engine.metrics.counted
-    assert engine.pool.state.cache[0].k.sharding.spec == P("data", "tensor"), engine.pool.state.cache[0].k.sharding
+    k = engine.device.pool.state.cache[0].k
+    assert k.sharding.spec == P("data", "tensor"), k.sharding
     alone = dataclasses.replace(system, model=jaxrag.load_model(export, inference=True)).ask(questions)
     assert all(kind == "done" for kind, _ in answers.values()), answers
     assert [(answers[i][1].routed.source, answers[i][1].routed.answer) for i in range(len(questions))] == \

@@ -359,7 +359,7 @@ def test_a_failed_step_rebuilds_the_pool_and_a_failed_engine_or_a_draining_one_i
 
     system, alone = reference
     engine = Engine(system, slots=SLOTS, max_queue=QUEUE, max_question_tokens=QUESTION_TOKENS)
-    steps, calls = engine._steps, []
+    steps, calls = engine.device._steps, []
 
     def fails_once(*args, **kw):
         calls.append(1)
@@ -367,7 +367,7 @@ def test_a_failed_step_rebuilds_the_pool_and_a_failed_engine_or_a_draining_one_i
             raise RuntimeError("the device went away")
         return steps(*args, **kw)
 
-    engine._steps = fails_once
+    engine.device._steps = fails_once
     q = QUESTIONS[6]
     chat = lambda q: {"messages": [{"role": "user", "content": q}]}  # noqa: E731
 

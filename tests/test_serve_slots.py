@@ -69,7 +69,7 @@ class Pool:
         budget = [[VERBAL, ANSWERS[i % len(PROMPTS)]] for i in jobs] + [[1, 1]] * (4 - len(jobs))
         t, p = self.sampling
         keyed = list(row_ids) + [0] * (4 - len(jobs))
-        self.pool = slots.enter(self.dec, self.pool, self.parking, index, jnp.full(4, SOURCE, jnp.int32),
+        self.pool = slots.enter(self.dec, self.pool, self.parking, index, index, jnp.full(4, SOURCE, jnp.int32),
                                 jnp.asarray(cids), jnp.asarray(cmask),
                                 jnp.full(4, slots.VERBAL if verbal else slots.ANSWER, jnp.int32),
                                 jnp.asarray(budget, jnp.int32), jnp.full(4, t, jnp.float32),

@@ -11,8 +11,9 @@ sits in the ring (`models.masks.attention_mask_4d`), so a row reads what it woul
     admit(decoder, parking, rows, ids, mask, ...)   question prefills, each on a fresh batch-1
                                                      state as `routing.route` runs it alone; the
                                                      prompts wait in `parking` (rows `rows`) while
-                                                     the policy picks their sources
-    enter(decoder, pool, parking, rows, ...)         each parked row's source token (and its
+                                                     the policy picks their sources and a
+                                                     retrieved row's passages come
+    enter(decoder, pool, parking, rows, parked, ...) each parked row's source token (and its
                                                      knowledge chunk) appended, the row placed in
                                                      the ring ending at the head, its program set
     steps(decoder, pool, stop, ...)                  decode steps over every slot until a row
@@ -101,7 +102,7 @@ def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
 
 
 def init_parking(decoder: Decoder, slots: int, width: int) -> DecodeState:
-    """Where admitted prompts wait for their source: `slots` batch-1 states of `width` columns
+    """Where admitted prompts wait to enter the pool: `slots` batch-1 states of `width` columns
     (the longest prompt bucket), stacked, placed as the pool."""
     return _placed(decoder, slots, lambda: _stacked_rows(decoder, slots, width))
 
@@ -136,16 +137,16 @@ def admit(decoder: Decoder, parking: DecodeState, rows, ids, mask, length: int, 
 
 
 @partial(nnx.jit, donate_argnums=1)
-def enter(decoder: Decoder, pool: SlotPool, parking: DecodeState, rows, source, ids, mask, stage, budget,
+def enter(decoder: Decoder, pool: SlotPool, parking: DecodeState, rows, parked, source, ids, mask, stage, budget,
           temperature, top_p, keys) -> SlotPool:
-    """Parked rows `rows` [R] enter the pool in the same rows: each one's `source` token [R] and
+    """Parking rows `parked` [R] enter the pool as rows `rows` [R]: each one's `source` token [R] and
     then its left-padded chunk ids/mask [R, w] (w may be 0: a `<Self>` row's knowledge is its
     own) are appended as `route` appends them alone, and the row is placed in the ring with its
     last column just before the head. Its program: `stage` [R] (VERBAL or ANSWER), `budget` [R, 2]
     (verbalization, answer), `temperature`, `top_p` [R], `keys` [R, 2, words] (`stage_keys`).
-    Indices past the pool are padding: they read a real row and are never written."""
+    Indices past the pool or the parking are padding: they read a real row and are never written."""
     width = pool.state.key_mask.shape[-1]
-    parked = _fit_columns(jax.tree.map(lambda x: jnp.take(x, rows, axis=0, mode="clip"), parking), width)
+    parked = _fit_columns(jax.tree.map(lambda x: jnp.take(x, parked, axis=0, mode="clip"), parking), width)
     extend = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])
     new = extend(parked, source[:, None, None], jnp.ones((source.shape[0], 1, 1), bool))
     if ids.shape[1]:

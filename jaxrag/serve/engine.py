@@ -1,15 +1,15 @@
 """Continuous batching for SR-RAG: the slot pool of `decode.slots`, each request in a phase of its own.
 
     queue --admit--> T_d: the question prefill (as `routing.route` runs it on one row), p_M, the
-                     policy (p_M x kNN p_D); the prompt waits in its parking row
+                     policy (p_M x kNN p_D); the prompt waits in a parking row (no slot held)
        <Self>  -> enters the pool with its source token: verbalizes until <EOK> / EOS / budget
                   (T_v), is fed `<EOK> Answer:` and answers (T_g), all on the device
        <Wiki>  -> retrieval worker (batched over the rows waiting)       (T_r)
                   -> enters with its source token, passages and `<EOK> Answer:`; answers (T_g)
        <None>  -> enters with its source token and `<EOK> Answer:`; answers (T_g)
 
-One engine thread runs the loop: admit what fits, hand finished retrievals back, let the rows
-that have their knowledge enter the pool, run decode steps over every slot (`slots.steps`, on the
+One engine thread runs the loop: admit what the parking holds, hand finished retrievals back, let
+the rows that have their knowledge enter the pool's free slots, run decode steps over every slot (`slots.steps`, on the
 device until a row's answer ends), repeat. Rows that reach a prefill together share one call
 (`slots.admit`: the questions admitted together whose prompts share a length bucket;
 `slots.enter`: the rows whose chunks share a width), padded to a power of two up to the slot
@@ -30,30 +30,22 @@ import collections
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxrag.decode.policy import PolicyInputs, source_probabilities
-from jaxrag.decode.routing import Routed, answer_text, knowledge_chunk, knowledge_text, phase_lengths
-from jaxrag.decode.sampler import NO_TOKEN, bucket, left_pad
-from jaxrag.decode.slots import ANSWER, VERBAL, admit, enter, init_parking, init_pool, stage_keys, steps
+from jaxrag.decode.routing import Routed, answer_text, knowledge_chunk, knowledge_text
+from jaxrag.decode.sampler import bucket
+from jaxrag.decode.slots import ANSWER, VERBAL
 from jaxrag.errors import JaxragError
-from jaxrag.models.tokens import EOK, NONE, SELF, source_token
+from jaxrag.models.tokens import NONE, SELF, source_token
 from jaxrag.policies.srrag import srrag_policy
-from jaxrag.prompts import answer_prefix_ids, prompt_ids
+from jaxrag.prompts import prompt_ids
 from jaxrag.serve.jobs import Answer, Job, Options, QueueFull, Unavailable
 from jaxrag.serve.metrics import Metrics
+from jaxrag.serve.pool import Device
 from jaxrag.serve.retrieval import RetrievalWorker
 
-MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
-# Decode steps per call at most: a call also ends as soon as a row's answer ends, so a waiting
-# request joins within this many steps, and the host's work per call is spread over them.
-STEPS_PER_CALL = 16
-
-
 def _grouped(items, key) -> dict:
     """items by key(item), in order: the rows that share one prefill program."""
     groups: dict = {}
@@ -70,43 +62,23 @@ class Engine:
         self.system, self.model, self.cfg, self.dec = system, model, cfg, model.decoder
         self.tok, self.sources = model.tokenizer, tuple(model.sources)
         self.src_ids = [model.token_id(source_token(s)) for s in self.sources]
-        self.eok, self.tail = model.token_id(EOK), answer_prefix_ids(self.tok)
-        self.eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
-        self.vlen, self.klen, self.alen = phase_lengths(cfg, self.tail)
         self.slots, self.max_queue, self.max_question_tokens = int(slots), int(max_queue), int(max_question_tokens)
-        self.prompt_buckets = sorted({bucket(n) for n in range(1, self.max_question_tokens + 1)})
-        self.chunk_buckets = sorted({min(self.klen, bucket(n)) for n in range(1, self.klen + 1)})
-        # rows per prefill call: powers of two up to the slot count
-        self.row_buckets = sorted({min(1 << b, self.slots) for b in range(self.slots.bit_length() + 1)})
+        self.device = Device(model, cfg, self.slots, self.max_question_tokens)
+        self.eok, self.eos, self.tail = self.device.eok, self.device.eos, self.device.tail
+        self.row_buckets = self.device.row_buckets
         self.max_k = min(MAX_K, len(system.datastore))
-        self.verbal_stops = jnp.asarray([self.eok, *self.eos], jnp.int32)
-        self.answer_stops = jnp.asarray(self.eos or [NO_TOKEN], jnp.int32)
-        self.tail_ids = jnp.asarray(self.tail, jnp.int32)
-        self.pool, self.parking = self._new_pool()
-        self.rows: list[Job | None] = [None] * self.slots
+        self.rows: list[Job | None] = [None] * self.slots  # the pool's rows
+        self.parked: list[Job | None] = [None] * self.device.parking_rows  # the parking's rows
         self.waiting: collections.deque[Job] = collections.deque()
         self.found: list[tuple[Job, list]] = []
         self.ready: list[tuple[Job, list[int]]] = []  # rows to enter the pool, with their chunks, this loop
         self.pending = None  # the last call of steps dispatched: its outputs and the jobs it ran
-        self.idle_next = np.zeros(self.slots, bool)  # rows of cancelled requests, idled by the next call of steps
         self.cv = threading.Condition()
-        self.stopping, self.dispatches, self.serial, self.key = False, 0, 0, jax.random.key(0)
+        self.stopping, self.serial = False, 0
         self.draining, self.failure, self.rebuilds = False, None, 0  # SIGTERM; the loop's fatal error; pools rebuilt
         self.metrics = Metrics(self)
-        # The decoder bound once: nnx.jit would walk its module graph on every call.
-        self._admit_rows, self._enter_rows, self._steps = (nnx.cached_partial(f, self.dec)
-                                                           for f in (admit, enter, steps))
         self.retrieval = RetrievalWorker(system, self.slots, self._deliver, self._fail)
         self.threads = [threading.Thread(target=self._loop, name="srrag-engine", daemon=True), self.retrieval.thread]
-
-    def _length(self, plen: int) -> int:
-        """Cache slots of a question of `plen` (bucketed) tokens, as `route` sizes it alone."""
-        return plen + 1 + self.vlen + self.klen + self.alen
-
-    def _new_pool(self):
-        """The pool, whose ring holds the longest question's columns, and its parking rows."""
-        return (init_pool(self.dec, self.slots, self._length(self.prompt_buckets[-1])),
-                init_parking(self.dec, self.slots, self.prompt_buckets[-1]))
 
     # --- intake (any thread) --------------------------------------------------------------
 
@@ -122,17 +94,7 @@ class Engine:
 
     def check(self, options: Options) -> None:
         """JaxragError naming the first bad option."""
-        o = options
-        if o.source is not None and o.source not in self.sources:
-            raise JaxragError(f"source {o.source!r}: this model's sources are {', '.join(self.sources)}")
-        if o.k is not None and not 1 <= o.k <= self.max_k:
-            raise JaxragError(f"k {o.k}: must be between 1 and {self.max_k}")
-        if o.max_tokens is not None and not 1 <= o.max_tokens <= self.cfg.max_answer_tokens:
-            raise JaxragError(f"max_tokens {o.max_tokens}: must be between 1 and {self.cfg.max_answer_tokens}")
-        if not 0.0 <= o.temperature <= MAX_TEMPERATURE:  # OpenAI's bounds
-            raise JaxragError(f"temperature {o.temperature}: must be between 0 and {MAX_TEMPERATURE:g}")
-        if not 0.0 < o.top_p <= 1.0:  # top_p 0 (the top token alone) is greedy: `http.OptionFields`
-            raise JaxragError(f"top_p {o.top_p}: must be between 0 and 1")
+        options.check(self.sources, self.max_k, self.cfg.max_answer_tokens)
 
     def submit(self, jobs: list[Job]) -> None:
         """Queues the jobs, all or none: QueueFull when they do not fit."""
@@ -153,6 +115,10 @@ class Engine:
 
     def busy(self) -> int:
         return sum(j is not None for j in self.rows)
+
+    def _held(self) -> list[Job]:
+        """The requests out of the queue: parked or in the pool."""
+        return [j for j in (*self.parked, *self.rows) if j is not None]
 
     def queued(self) -> int:
         return len(self.waiting)
@@ -177,19 +143,11 @@ class Engine:
                 t.join()
 
     def warm_up(self) -> None:
-        """Compiles every program a request can run, before the first one: per row bucket, the
-        question prefill per prompt bucket, the source token and the knowledge chunk per chunk
-        bucket; the datastore search, the pool's decode steps, and the retriever per encoder
-        length bucket."""
-        filler = self.tail[-1]
-        for n in self.row_buckets:
-            rows = np.full(n, self.slots, np.int32)  # padding rows only: the pool is not written
-            for plen in self.prompt_buckets:
-                p_src, hidden = self._prefill_questions(rows, [[filler] * plen] * n)
-            for width in [0, *self.chunk_buckets]:
-                self._enter(rows, [None] * n, [[filler] * width] * n, width)
+        """Compiles every program a request can run, before the first one: the pool's
+        (`Device.warm_up`), the datastore search, and the retriever per encoder length bucket."""
+        for logits, hidden in self.device.warm_up():
+            p_src = source_probabilities(logits, self.src_ids)
         self._policy(self.system.k)(PolicyInputs([""], self.sources, p_src[:1], hidden[:1]))
-        jax.block_until_ready(self._dispatch())
         encoder = self.system.retriever.encoder
         for length in encoder.buckets():
             words = max(1, length - 2)
@@ -208,7 +166,7 @@ class Engine:
         except Exception as e:
             with self.cv:
                 self.failure = f"{type(e).__name__}: {e}"
-                jobs = [*self.waiting, *(j for j in self.rows if j is not None)]
+                jobs = [*self.waiting, *self._held()]
                 self.waiting.clear()
             for job in jobs:
                 self._fail(job, e)
@@ -218,30 +176,31 @@ class Engine:
         while True:
             with self.cv:
                 while not self._work():
-                    if self.stopping and not self.waiting and not self.busy():
+                    if self.stopping and not self.waiting and not self._held():
                         self.retrieval.close()
                         return
                     self.cv.wait()
-                for i, job in enumerate(self.rows):
-                    if job is not None and job.cancelled:
-                        self.idle_next[i] |= job.phase in ("verbalize", "answer")
+                for job in self._held():
+                    if job.cancelled:
+                        if job.slot is not None:
+                            self.device.idle_next[job.slot] |= job.phase in ("verbalize", "answer")
                         self._free(job, "cancelled")
                 admit = []
-                # A slot per row waiting for its passages or holding them (each keeps its own).
-                while self.waiting and None in self.rows:
+                while self.waiting and None in self.parked:
                     job = self.waiting.popleft()
                     if job.cancelled:
                         self.metrics.finished("cancelled")
                         continue
-                    job.slot, job.serial = self.rows.index(None), self.serial
-                    self.rows[job.slot], self.serial = job, self.serial + 1
+                    job.park, job.serial = self.parked.index(None), self.serial
+                    self.parked[job.park], self.serial = job, self.serial + 1
                     admit.append(job)
                 found, self.found = self.found, []
             try:
                 for jobs in _grouped(admit, lambda job: bucket(len(job.prompt))).values():
-                    self._admit(jobs)
+                    for start in range(0, len(jobs), self.slots):  # at most a slot count per call
+                        self._admit(jobs[start:start + self.slots])
                 for job, hits in found:
-                    if self.rows[job.slot] is job and not job.cancelled:
+                    if self._parked(job):
                         self._guarded(job, lambda j: self._retrieved(j, hits))
                 self._enter_ready()
                 # The next call of steps is dispatched before the last one's tokens are read: the
@@ -257,15 +216,19 @@ class Engine:
     def _rebuild(self, e: Exception) -> None:
         """A failed device call took the pool or the parking with it (donated): every request
         holding a slot fails (its cache is gone), and a fresh pool serves the queue."""
-        for job in [j for j in self.rows if j is not None]:
+        for job in self._held():
             self._fail(job, e)
-        self.ready, self.pending, self.idle_next[:] = [], None, False
-        self.pool, self.parking = self._new_pool()
+        self.ready, self.pending = [], None
+        self.device.reset()
         self.rebuilds += 1
 
     def _work(self) -> bool:
-        return bool(self.found or self.pending is not None or (self.waiting and None in self.rows)
-                    or any(j is not None and (j.cancelled or j.phase in ("verbalize", "answer")) for j in self.rows))
+        return bool(self.found or self.pending is not None or (self.waiting and None in self.parked)
+                    or (self.ready and None in self.rows)
+                    or any(j.cancelled or j.phase in ("verbalize", "answer") for j in self._held()))
+
+    def _parked(self, job: Job) -> bool:
+        return job.park is not None and self.parked[job.park] is job and not job.cancelled
 
     def _guarded(self, job: Job, fn) -> None:
         try:
@@ -281,42 +244,16 @@ class Engine:
     def _free(self, job: Job, outcome: str) -> None:
         if job.slot is not None and self.rows[job.slot] is job:
             self.rows[job.slot] = None
+        if job.park is not None and self.parked[job.park] is job:
+            self.parked[job.park] = None
         job.phase = outcome
         self.metrics.finished(outcome)
 
-    def _row_indices(self, jobs: list[Job]) -> np.ndarray:
-        """The jobs' slots, padded to a row bucket with an index past the pool (never written)."""
-        n = next(r for r in self.row_buckets if r >= len(jobs))
-        return np.array([j.slot for j in jobs] + [self.slots] * (n - len(jobs)), np.int32)
-
-    def _prefill_questions(self, rows: np.ndarray, prompts: list[list[int]]):
-        """T_d's prefill as `route` runs it on one row, for each prompt (one length bucket) into
-        its parking row: p_M [rows, sources] and the hidden state at <EOQ> [rows, hidden]."""
-        plen = bucket(max(map(len, prompts)))
-        ids, mask = left_pad(prompts, plen, len(rows))
-        self.parking, logits, hidden = self._admit_rows(self.parking, jnp.asarray(rows), jnp.asarray(ids),
-                                                        jnp.asarray(mask), length=self._length(plen),
-                                                        hidden_layer=self.cfg.hidden_layer)
-        return source_probabilities(logits, self.src_ids), np.asarray(hidden)
-
-    def _enter(self, rows: np.ndarray, jobs: list[Job | None], chunks: list[list[int]], width: int) -> None:
-        """Parked rows into the pool: each job's source token and chunk (`width` columns; 0 for
-        a `<Self>` row, which verbalizes first), its budgets, sampling and keys."""
-        n = len(rows)
-        self.idle_next[rows[rows < self.slots]] = False  # a cancelled request's row, now another's
-        ids, mask = left_pad(chunks, width, n)
-        pad = [None] * (n - len(jobs))
-        source = [self.src_ids[self.sources.index(j.source)] if j else 0 for j in [*jobs, *pad]]
-        answer = [(j.options.max_tokens or self.cfg.max_answer_tokens) if j else 1 for j in [*jobs, *pad]]
-        budget = np.array([[self.cfg.max_verbal_tokens, a] for a in answer], np.int32)
-        option = lambda name, default: np.array([getattr(j.options, name) if j else default for j in [*jobs, *pad]],
-                                                np.float32)
-        serials = np.array([j.serial if j else 0 for j in [*jobs, *pad]], np.uint32)
-        self.pool = self._enter_rows(self.pool, self.parking, jnp.asarray(rows), jnp.asarray(source, jnp.int32),
-                                     jnp.asarray(ids), jnp.asarray(mask),
-                                     jnp.full(n, VERBAL if width == 0 else ANSWER, jnp.int32), jnp.asarray(budget),
-                                     jnp.asarray(option("temperature", 0.0)), jnp.asarray(option("top_p", 1.0)),
-                                     stage_keys(self.key, jnp.asarray(serials)))
+    def _row_indices(self, jobs: list[Job], parking: bool = False) -> np.ndarray:
+        """The jobs' pool rows (or parking rows), padded to a row bucket."""
+        if parking:
+            return self.device.padded([j.park for j in jobs], len(self.parked))
+        return self.device.padded([j.slot for j in jobs], self.slots)
 
     def _policy(self, k: int):
         """SR-RAG's policy with p_D from the k nearest entries (one search at `max_k`: one program)."""
@@ -329,7 +266,8 @@ class Engine:
         prefills in one call, then each one's policy; the rows that need no passages are ready
         to enter the pool, the others go to the retrieval worker."""
         start = time.perf_counter()
-        p_src, hidden = self._prefill_questions(self._row_indices(jobs), [job.prompt for job in jobs])
+        logits, hidden = self.device.admit(self._row_indices(jobs, parking=True), [job.prompt for job in jobs])
+        p_src = source_probabilities(logits, self.src_ids)
         for i, job in enumerate(jobs):
             job.latency["queue"] = start - job.submitted
             inputs = PolicyInputs([job.question], self.sources, p_src[i:i + 1], hidden[i:i + 1])
@@ -366,13 +304,21 @@ class Engine:
     def _enter_ready(self) -> None:
         """The ready rows into the pool, one call per chunk width: `<Self>` rows verbalize, the
         others answer (T_g starts, as `route` times it)."""
-        ready = [(job, chunk) for job, chunk in self.ready if self.rows[job.slot] is job and not job.cancelled]
-        self.ready = []
-        width_of = lambda item: min(self.klen, bucket(len(item[1]))) if item[1] else 0  # noqa: E731
+        ready = [(job, chunk) for job, chunk in self.ready if self._parked(job)]
+        free = [slot for slot, j in enumerate(self.rows) if j is None]
+        ready, self.ready = ready[:len(free)], ready[len(free):]  # the rest wait for a slot
+        for (job, _), slot in zip(ready, free):
+            job.slot, self.rows[slot] = slot, job
+        width_of = lambda item: min(self.device.klen, bucket(len(item[1]))) if item[1] else 0  # noqa: E731
         for width, group in _grouped(ready, width_of).items():
             jobs = [job for job, _ in group]
-            self._enter(self._row_indices(jobs), jobs, [c for _, c in group], width)
+            self.device.enter(self._row_indices(jobs), self._row_indices(jobs, parking=True),
+                              [self.src_ids[self.sources.index(j.source)] for j in jobs], [c for _, c in group], width,
+                              [j.options.max_tokens or self.cfg.max_answer_tokens for j in jobs],
+                              [j.options.temperature for j in jobs], [j.options.top_p for j in jobs],
+                              [j.serial for j in jobs])
             for job in jobs:
+                self.parked[job.park], job.park = None, None  # its prompt is in the pool now
                 job.phase, job.tokens = ("verbalize" if width == 0 else "answer"), []
                 job.phase_start = time.perf_counter()
                 job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
@@ -380,11 +326,7 @@ class Engine:
     def _dispatch(self):
         """One call of decode steps, dispatched (not waited for): its outputs and the jobs it runs."""
         live = [(slot, j) for slot, j in enumerate(self.rows) if j is not None and j.phase in ("verbalize", "answer")]
-        stop, self.idle_next = self.idle_next, np.zeros(self.slots, bool)
-        self.pool, tokens, kinds, _ = self._steps(self.pool, jnp.asarray(stop), self.verbal_stops, self.answer_stops,
-                                                  self.tail_ids, max_steps=STEPS_PER_CALL)
-        self.dispatches += 1
-        return tokens, kinds, live
+        return (*self.device.dispatch(), live)
 
     def _read(self, tokens, kinds, live) -> None:
         """A call's tokens, by kind, into its jobs (those still holding their slots): the
@@ -440,9 +382,9 @@ class Engine:
         with self.cv:
             self._free(job, "done")
         self.metrics.answered(job.latency)
-        written = len(job.verbal) + len(job.tokens)
-        job.listener("done", Answer(routed, job.hits, reason, completion_tokens=written, reasoning_tokens=len(job.verbal),
-                                    prompt_tokens=len(job.prompt) + 1 + job.chunk_tokens))
+        written, read = len(job.verbal) + len(job.tokens), len(job.prompt) + 1 + job.chunk_tokens
+        job.listener("done", Answer(routed, job.hits, reason, completion_tokens=written,
+                                    reasoning_tokens=len(job.verbal), prompt_tokens=read))
 
     def _deliver(self, found: list) -> None:
         """Passages found by the retrieval thread, taken up by the engine thread's next loop."""

@@ -7,6 +7,9 @@ import time
 from collections.abc import Callable
 
 from jaxrag.decode.routing import Routed
+from jaxrag.errors import JaxragError
+
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
 
 
 class QueueFull(Exception):
@@ -26,6 +29,19 @@ class Options:
     max_tokens: int | None = None  # answer tokens
     temperature: float = 0.0  # 0 = greedy, as evaluated
     top_p: float = 1.0
+
+    def check(self, sources: tuple[str, ...], max_k: int, max_answer_tokens: int) -> None:
+        """JaxragError naming the first option out of its bounds (OpenAI's for the sampling)."""
+        if self.source is not None and self.source not in sources:
+            raise JaxragError(f"source {self.source!r}: this model's sources are {', '.join(sources)}")
+        if self.k is not None and not 1 <= self.k <= max_k:
+            raise JaxragError(f"k {self.k}: must be between 1 and {max_k}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= max_answer_tokens:
+            raise JaxragError(f"max_tokens {self.max_tokens}: must be between 1 and {max_answer_tokens}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise JaxragError(f"temperature {self.temperature}: must be between 0 and {MAX_TEMPERATURE:g}")
+        if not 0.0 < self.top_p <= 1.0:  # top_p 0 (the top token alone) is greedy: `http.OptionFields`
+            raise JaxragError(f"top_p {self.top_p}: must be between 0 and 1")
 
 
 @dataclasses.dataclass
@@ -47,7 +63,8 @@ class Job:
     def __init__(self, question: str, prompt: list[int], options: Options, listener: Callable):
         self.question, self.prompt, self.options, self.listener = question, prompt, options, listener
         self.cancelled = False
-        self.slot: int | None = None
+        self.slot: int | None = None  # its row of the engine's pool, once it entered
+        self.park: int | None = None  # its parking row, from admission until it enters the pool
         self.serial = 0  # the engine's count of admissions before it: its sampling keys' row id
         self.submitted = time.perf_counter()
         self.latency: dict[str, float] = {}
