@@ -89,6 +89,15 @@ class Pool:
                 done.append(s)
         return done, int(count)
 
+    def drain(self) -> dict:
+        """Steps until every row answered: prompt index -> (verbalization, answer)."""
+        got = {}
+        while self.got:
+            for s in self.step()[0]:
+                i, verbal, answer = self.got.pop(s)
+                got[i] = (verbal, answer)
+        return got
+
 
 def test_rows_joining_and_leaving_answer_as_each_prompt_alone(dec):
     """Rows enter with their knowledge and answer; free slots take the next prompts while the others
@@ -123,11 +132,7 @@ def test_a_verbalization_changes_phase_on_the_device(dec):
     assert len(want[0][0]) == 3 and any(len(w[0]) == VERBAL for w in want[1:])
     pool = Pool(dec, [stop], tail=tail)
     pool.join(free, free, None, True, free)
-    got = {}
-    while pool.got:
-        for s in pool.step()[0]:
-            i, verbal, answer = pool.got.pop(s)
-            got[i] = (verbal, answer)
+    got = pool.drain()
     assert [got[i] for i in free] == want
 
 
@@ -140,12 +145,7 @@ def test_a_sampled_row_draws_its_own_tokens_whatever_shares_the_pool(dec):
     def sampled(free, jobs, ids):
         pool = Pool(dec, [NO_TOKEN], (1.0, 0.9), rng)
         pool.join(free, jobs, None, True, ids)
-        got = {}
-        while pool.got:
-            for s in pool.step()[0]:
-                i, verbal, answer = pool.got.pop(s)
-                got[i] = (verbal, answer)
-        return got
+        return pool.drain()
 
     assert sampled([1], [2], [11])[2] == want
     beside = sampled([2, 0, 1], [2, 0, 3], [11, 12, 13])
