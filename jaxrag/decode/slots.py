@@ -38,12 +38,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrag.decode.sampler import (NO_TOKEN, DecodeState, _extend, cache_shardings, init_state, nucleus, placement,
-                                   row_keys, zeros_on)
+from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, nucleus, placement, row_keys, zeros_on
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import Decoder, init_cache
 from jaxrag.models.kv_cache import LayerCache
-from jaxrag.sharding import batch_sharding, data_parallel_size
+from jaxrag.sharding import batch_sharding, cache_sharding, data_parallel_size, replicated
 
 IDLE, VERBAL, ANSWER = 0, 1, 2  # a row's stage
 FORCED = 3  # the kind of a step's token that was fed, not sampled (`<EOK> Answer:`)
@@ -88,12 +87,12 @@ def _placed(decoder: Decoder, slots: int, make):
         raise JaxragError(f"{slots} slots: must be a multiple of the model's data axis ({data_parallel_size(mesh)} "
                           "devices), each of which holds its share of the slots")
     shapes = jax.eval_shape(make)
-    rows, whole = batch_sharding(mesh), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    where = jax.tree.map(lambda x: whole if x.ndim == 0 else rows, shapes)
-    caches = cache_shardings(mesh, shapes.state.cache if isinstance(shapes, SlotPool) else shapes.cache)
-    where = where._replace(state=where.state._replace(cache=caches)) if isinstance(shapes, SlotPool) \
-        else where._replace(cache=caches)
-    return zeros_on(shapes, where)
+    # The 4-D leaves are the KV caches ([rows, kv_heads, columns, head_dim]); the scalar head is whole.
+    def where(x):
+        if x.ndim == 4:
+            return cache_sharding(mesh, x.shape)
+        return replicated(mesh) if x.ndim == 0 else batch_sharding(mesh)
+    return zeros_on(shapes, jax.tree.map(where, shapes))
 
 
 def init_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:

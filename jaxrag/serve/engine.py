@@ -46,6 +46,8 @@ from jaxrag.serve.pool import Device
 from jaxrag.serve.retrieval import RetrievalWorker
 
 MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
+
+
 def _grouped(items, key) -> dict:
     """items by key(item), in order: the rows that share one prefill program."""
     groups: dict = {}
@@ -309,19 +311,18 @@ class Engine:
         ready, self.ready = ready[:len(free)], ready[len(free):]  # the rest wait for a slot
         for (job, _), slot in zip(ready, free):
             job.slot, self.rows[slot] = slot, job
+            job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
         width_of = lambda item: min(self.device.klen, bucket(len(item[1]))) if item[1] else 0  # noqa: E731
         for width, group in _grouped(ready, width_of).items():
             jobs = [job for job, _ in group]
             self.device.enter(self._row_indices(jobs), self._row_indices(jobs, parking=True),
                               [self.src_ids[self.sources.index(j.source)] for j in jobs], [c for _, c in group], width,
-                              [j.options.max_tokens or self.cfg.max_answer_tokens for j in jobs],
-                              [j.options.temperature for j in jobs], [j.options.top_p for j in jobs],
-                              [j.serial for j in jobs])
+                              [j.budget for j in jobs], [j.options.temperature for j in jobs],
+                              [j.options.top_p for j in jobs], [j.serial for j in jobs])
             for job in jobs:
                 self.parked[job.park], job.park = None, None  # its prompt is in the pool now
                 job.phase, job.tokens = ("verbalize" if width == 0 else "answer"), []
                 job.phase_start = time.perf_counter()
-                job.budget = job.options.max_tokens or self.cfg.max_answer_tokens
 
     def _dispatch(self):
         """One call of decode steps, dispatched (not waited for): its outputs and the jobs it runs."""

@@ -213,6 +213,19 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
             watch.cancel()
             waiting.cancel()
 
+    async def settled(request: Request, queued) -> tuple[list[Answer] | None, Response | None]:
+        """(every job's answer, None), or (None, the response): 500 naming a failed job, 499 when
+        the client left. Jobs left unfinished are cancelled, freeing their slots."""
+        try:
+            answers = await answered(request, queued)
+        except RuntimeError as e:
+            return None, error(500, str(e))
+        finally:
+            for job, _ in queued:
+                if job.phase not in ("done", "error"):
+                    engine.cancel(job)
+        return (answers, None) if answers is not None else (None, Response(status_code=499))  # nginx's: nobody reads it
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         users = [m.content for m in body.messages if m.role == "user"]
@@ -229,15 +242,9 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         if body.stream:
             with_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream(job, events, head, with_usage), media_type="text/event-stream")
-        try:
-            answers = await answered(request, queued)
-        except RuntimeError as e:
-            return error(500, str(e))
-        finally:
-            if job.phase not in ("done", "error"):
-                engine.cancel(job)
-        if answers is None:
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        answers, failed = await settled(request, queued)
+        if failed:
+            return failed
         answer = answers[0]
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.routed.answer},
@@ -279,16 +286,9 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         queued, failed = await intake(body.questions, body)
         if failed:
             return failed
-        try:
-            answers = await answered(request, queued)
-        except RuntimeError as e:
-            return error(500, str(e))
-        finally:
-            for job, _ in queued:
-                if job.phase not in ("done", "error"):
-                    engine.cancel(job)
-        if answers is None:
-            return Response(status_code=499)
+        answers, failed = await settled(request, queued)
+        if failed:
+            return failed
         return {"model": model_name, "answers": [
             {"question": a.routed.question, "answer": a.routed.answer, "finish_reason": a.finish_reason,
              "srrag": trace(engine, a), "usage": usage(a)} for a in answers]}

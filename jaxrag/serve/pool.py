@@ -88,7 +88,8 @@ class Device:
                                 jnp.asarray(pad(sources, 0), jnp.int32), jnp.asarray(ids), jnp.asarray(mask),
                                 jnp.full(n, VERBAL if width == 0 else ANSWER, jnp.int32), jnp.asarray(budget),
                                 jnp.asarray(pad(temperature, 0.0), jnp.float32),
-                                jnp.asarray(pad(top_p, 1.0), jnp.float32), stage_keys(self.key, jnp.asarray(pad(serials, 0), jnp.uint32)))
+                                jnp.asarray(pad(top_p, 1.0), jnp.float32),
+                                stage_keys(self.key, jnp.asarray(pad(serials, 0), jnp.uint32)))
 
     def dispatch(self):
         """A call of decode steps, dispatched and not waited for: (tokens, kinds) [slots, steps]."""
