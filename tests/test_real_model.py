@@ -160,16 +160,18 @@ def test_route_with_chat_template_batched_rows_equal_unbatched(srrag):
     cfg = RouteConfig(hidden_layer=15, max_verbal_tokens=24, max_knowledge_tokens=256, max_answer_tokens=12)
     batched = route(srrag, [q["question"] for q in qs], policy, retrieve, cfg)
     assert [r.source for r in batched] == list(wanted.values())
-    for row in batched:
+    # p_M is the source token's next-token probability over the whole vocabulary (the paper's):
+    # a softmax of the full forward pass's logits at <EOQ>, in float64; every question's prompt in
+    # one left-padded forward (the positions follow the mask), so one program compiles.
+    ids, mask = left_pad(prompt_ids(srrag.tokenizer, [r.question for r in batched]), 0)
+    eoq_logits = np.asarray(srrag.logits(ids, mask), np.float64)[:, -1]
+    for row, logits in zip(batched, eoq_logits):
         # alone: the row's question with padding rows only, in the batch's rows (as a loop's last,
         # shorter batch runs): what the other questions are never changes a row
         alone = route(srrag, [row.question], policy, retrieve, cfg, rows=len(qs))[0]
         assert (alone.source, alone.knowledge, alone.answer, alone.knowledge_truncated) == \
                (row.source, row.knowledge, row.answer, row.knowledge_truncated)
         np.testing.assert_allclose(alone.p_model, row.p_model, rtol=1e-4, atol=1e-12)
-        # p_M is the source token's next-token probability over the whole vocabulary (the paper's):
-        # a softmax of the full forward pass's logits at <EOQ>, in float64.
-        logits = np.asarray(srrag.logits([prompt_ids(srrag.tokenizer, [row.question])[0]]), np.float64)[0, -1]
         p = np.exp(logits - logits.max())
         p /= p.sum()
         np.testing.assert_allclose(row.p_model, p[[srrag.token_id(source_token(s)) for s in srrag.sources]],
