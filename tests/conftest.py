@@ -57,20 +57,6 @@ def quickstart(tmp_path_factory):
 LONGEST_FIRST = ("test_real_path.py", "test_multihost.py", "test_pipeline.py")
 
 
-def pytest_configure(config):
-    """The suite's own processes compile as the miniature pipeline's runs do (`MINI_XLA_FLAGS`):
-    its programs are tiny models' and run for milliseconds, so LLVM's optimizations cost more than
-    they save (six in-process modules: 241 s against 362 s, cold, docs/testing.md). Set here, before
-    xdist starts its workers, so that the workers and every subprocess that inherits their
-    environment compile alike; a subprocess that sets its own XLA_FLAGS keeps them. CI's step
-    (`-m ci_step`: SmolLM2, whose programs run longer than they compile) and a caller's own
-    XLA_FLAGS keep theirs."""
-    from pipeline_fixtures import MINI_XLA_FLAGS
-
-    if config.option.markexpr.strip() != "ci_step" and "XLA_FLAGS" not in os.environ:
-        os.environ["XLA_FLAGS"] = MINI_XLA_FLAGS
-
-
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

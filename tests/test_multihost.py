@@ -258,11 +258,12 @@ def test_a_process_started_differently_is_refused_at_start(case, tmp_path):
 def test_local_launcher_dry_run_prints_one_command_per_process():
     proc = subprocess.run([str(REPO / "launch" / "local.sh"), "--processes", "3", "--devices-per-process", "2",
                            "--port", "9000", "--config", "configs/qwen.py:tiny", "--workdir", "/w", "--config.seed=1",
-                           "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                           "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "XLA_FLAGS": "--xla_cpu_use_thunk_runtime=true"})
     assert proc.returncode == 0 and proc.stderr == ""
-    assert proc.stdout.splitlines() == [
+    assert proc.stdout.splitlines() == [  # a caller's XLA_FLAGS first, then the launcher's
         f"env JAX_COORDINATOR_ADDRESS=127.0.0.1:9000 JAX_NUM_PROCESSES=3 JAX_PROCESS_ID={i} JAX_PLATFORMS=cpu "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m jaxrag.train "
+        f"'XLA_FLAGS=--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count=2' python -m jaxrag.train "
         "--config configs/qwen.py:tiny --workdir /w --config.seed=1" for i in range(3)]
 
 
