@@ -184,6 +184,33 @@ def test_a_sampled_row_draws_the_same_in_any_batch(tiny_hf):
     assert generate(model.decoder, [PROMPTS[1]], 8, sampling=hot, rng=rng, row_ids=[8])[0] != alone[0]
 
 
+def test_samples_share_one_prefill_and_draw_what_their_own_rows_draw(tiny_hf, monkeypatch):
+    """`generate_samples`: each prompt is prefilled once (the prefill runs on the prompts' rows,
+    not prompts x samples), and a sample draws what a row of its own with its id draws
+    (`generate`); the end states are transformers' hidden state at each sample's last token."""
+    from jaxrag.decode import sampler
+
+    ref, _, model = tiny_hf("llama")
+    hot, rng, ids = SamplingParams(temperature=5.0), jax.random.key(5), [11, 12, 13, 21, 22, 23]
+    prefill_rows = []
+    extend = sampler.extend
+    monkeypatch.setattr(sampler, "extend", lambda dec, st, i, m, **kw: prefill_rows.append(i.shape[0]) or
+                        extend(dec, st, i, m, **kw))
+    texts, ends = sampler.generate_samples(model.decoder, PROMPTS[:2], 6, samples=3, sampling=hot, rng=rng,
+                                           row_ids=ids, hidden_layer=2)
+    assert prefill_rows == [2] and ends.shape == (2, 3, model.config.hidden_size)
+    monkeypatch.setattr(sampler, "extend", extend)
+    alone = generate(model.decoder, [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3, 6, sampling=hot, rng=rng, row_ids=ids)
+    assert [t for per_prompt in texts for t in per_prompt] == alone
+    assert len({tuple(t) for t in texts[0]}) > 1  # the samples differ
+    for i, j in [(0, 0), (0, 2), (1, 1)]:
+        seq = torch.tensor([PROMPTS[i] + texts[i][j]])
+        want = ref(seq, output_hidden_states=True).hidden_states[2][0, -1].detach().numpy()
+        np.testing.assert_allclose(ends[i, j], want, atol=1e-4)
+    with pytest.raises(ValueError, match="5 row ids for 2 prompts x 3 samples"):
+        sampler.generate_samples(model.decoder, PROMPTS[:2], 6, samples=3, row_ids=ids[:5])
+
+
 def test_bad_batches_are_refused(tiny_hf):
     _, _, model = tiny_hf("qwen2")
     with pytest.raises(ValueError, match="empty batch"):

@@ -35,14 +35,14 @@ def alone(dec, prompt, chunk, verbal, answer, stops=(), sampling=SamplingParams(
         state, _ = sampler.extend(dec, state, jnp.asarray(ids), jnp.asarray(mask))
     said = []
     if verbal is not None:
-        state, toks, n, stopped = sampler.decode(dec, state, jnp.asarray([list(stops) or [NO_TOKEN]]),
+        state, toks, n, stopped, _ = sampler.decode(dec, state, jnp.asarray([list(stops) or [NO_TOKEN]]),
                                                  jnp.asarray([verbal]), jax.random.fold_in(rng, 0),
                                                  jnp.asarray([row_id], jnp.uint32), max_new=8, sampling=sampling)
         said = np.asarray(toks)[0, : int(n[0])].tolist()
         chunk = tail[1:] if bool(stopped[0]) and said[-1] == tail[0] else tail
     ids, mask = sampler.left_pad([chunk], sampler.bucket(len(chunk)), 1)
     state, _ = sampler.extend(dec, state, jnp.asarray(ids), jnp.asarray(mask))
-    _, toks, n, _ = sampler.decode(dec, state, jnp.asarray([[NO_TOKEN]]), jnp.asarray([answer]),
+    _, toks, n, _, _ = sampler.decode(dec, state, jnp.asarray([[NO_TOKEN]]), jnp.asarray([answer]),
                                    jax.random.fold_in(rng, 1), jnp.asarray([row_id], jnp.uint32), max_new=8,
                                    sampling=sampling)
     return said, np.asarray(toks)[0, : int(n[0])].tolist()

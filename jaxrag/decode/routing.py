@@ -144,7 +144,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
                       jax.random.fold_in(rng, 0), on_mesh(np.arange(batch, dtype=np.uint32), mesh), max_new=vlen,
                       sampling=cfg.sampling)
 
-    (state, verbal, verbal_len, verbal_stopped), t_v = timed(verbalize)
+    (state, verbal, verbal_len, verbal_stopped, _), t_v = timed(verbalize)
     verbal, verbal_len, verbal_stopped = map(np.asarray, (verbal, verbal_len, verbal_stopped))
     has_eok = [bool(verbal_stopped[i]) and verbal[i, verbal_len[i] - 1] == eok for i in range(n)]
 
@@ -174,7 +174,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
                       jax.random.fold_in(rng, 1), on_mesh(np.arange(batch, dtype=np.uint32), mesh), max_new=alen,
                       sampling=cfg.sampling)
 
-    (_, answers, answer_len, _), t_g = timed(answer_phase)
+    (_, answers, answer_len, _, _), t_g = timed(answer_phase)
     answers, answer_len = np.asarray(answers), np.asarray(answer_len)
 
     out = []

@@ -229,37 +229,57 @@ def row_keys(rng: jax.Array, row_ids) -> jax.Array:
     return jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.asarray(row_ids, jnp.uint32))
 
 
-@partial(nnx.jit, static_argnames=("max_new", "sampling"), donate_argnums=1)
+class Decoded(NamedTuple):
+    state: DecodeState
+    tokens: jax.Array  # [batch, max_new] int32, NO_TOKEN after a row stops
+    count: jax.Array  # [batch] int32: tokens generated
+    stopped: jax.Array  # [batch] bool: ended on a stop token rather than on its budget
+    end_hidden: jax.Array | None  # [batch, hidden] float32: `hidden_layer`'s state at the last token written
+
+
+@partial(nnx.jit, static_argnames=("max_new", "sampling", "hidden_layer"), donate_argnums=1)
 def decode(decoder: Decoder, state: DecodeState, stop_ids, budget, rng, row_ids, max_new: int,
-           sampling: SamplingParams = SamplingParams()):
+           sampling: SamplingParams = SamplingParams(), hidden_layer: int | None = None) -> Decoded:
     """Generates up to `max_new` tokens per row in a `lax.while_loop`.
 
     stop_ids [batch, n] (NO_TOKEN-padded): a row stops after emitting one of them (the stop token
     is kept, and written to the cache). budget [batch]: a row's own token limit (0 = idle row).
     row_ids [batch]: each row's draws use `row_keys(rng, row_ids)` folded with the step.
-    Returns (state, tokens [batch, max_new] with NO_TOKEN after a row stops, n_generated [batch],
-    stopped [batch] = ended on a stop token rather than on its budget).
+    `hidden_layer`: also keep that layer's state at each row's last written token (its stop
+    token, or its last one when the budget ends it), as each step computes it: what a prefill of
+    the prompt and the generation would read at its last column, without that prefill.
     """
     batch, keys = budget.shape[0], row_keys(rng, row_ids)
 
     def cond(carry):
-        step, _, _, count, done, _ = carry
+        step, _, _, count, done, _, _ = carry
         return (step < max_new) & ~jnp.all(done)
 
     def body(carry):
-        step, st, tokens, count, done, stopped = carry
+        step, st, tokens, count, done, stopped, end = carry
         tok = sample_tokens(st.logits, jax.vmap(jax.random.fold_in, (0, None))(keys, step), sampling)
         live = ~done
         tokens = tokens.at[:, step].set(jnp.where(live, tok, NO_TOKEN))
-        st, _ = _extend(decoder, st, jnp.where(live, tok, 0)[:, None], live[:, None])
+        st, hidden = _extend(decoder, st, jnp.where(live, tok, 0)[:, None], live[:, None], hidden_layer)
+        if hidden is not None:
+            end = jnp.where(live[:, None], hidden.astype(jnp.float32), end)
         count = count + live
         hit = live & jnp.any(tok[:, None] == stop_ids, axis=-1)
-        return step + 1, st, tokens, count, done | hit | (count >= budget), stopped | hit
+        return step + 1, st, tokens, count, done | hit | (count >= budget), stopped | hit, end
 
+    end = None if hidden_layer is None else jnp.zeros((batch, decoder.cfg.hidden_size), jnp.float32)
     init = (jnp.zeros((), jnp.int32), state, jnp.full((batch, max_new), NO_TOKEN, jnp.int32),
-            jnp.zeros((batch,), jnp.int32), budget <= 0, jnp.zeros((batch,), bool))
-    _, state, tokens, count, _, stopped = jax.lax.while_loop(cond, body, init)
-    return state, tokens, count, stopped
+            jnp.zeros((batch,), jnp.int32), budget <= 0, jnp.zeros((batch,), bool), end)
+    _, state, tokens, count, _, stopped, end = jax.lax.while_loop(cond, body, init)
+    return Decoded(state, tokens, count, stopped, end)
+
+
+@partial(jax.jit, static_argnames="samples")
+def repeat_rows(state: DecodeState, samples: int) -> DecodeState:
+    """Each row of a state `samples` times in a row (row i -> rows i*samples ... i*samples +
+    samples - 1), its cache included: one prefill serves every sample of a prompt. On a mesh, a
+    device's rows stay on it (it holds a contiguous block of prompts, and their copies follow)."""
+    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, samples, axis=0), state)
 
 
 def left_pad(rows: Sequence[Sequence[int]], length: int, batch: int, pad_id: int = 0):
@@ -349,6 +369,22 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     Rows are split over the batch axes of the decoder's mesh (`placement`, `shard_decoder`).
     `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`).
     """
+    out, _ = generate_samples(decoder, prompts, max_new_tokens, stop_ids=stop_ids, sampling=sampling, rng=rng,
+                              rows=rows, row_ids=row_ids)
+    return [o[0] for o in out]
+
+
+def generate_samples(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, samples: int = 1,
+                     stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+                     sampling: SamplingParams = SamplingParams(), rng: jax.Array | None = None,
+                     rows: int | None = None, row_ids: Sequence[int] | None = None,
+                     hidden_layer: int | None = None) -> tuple[list[list[list[int]]], np.ndarray | None]:
+    """`samples` continuations of each prompt -> ([prompt][sample] token ids, stop tokens kept,
+    and with `hidden_layer` that layer's state at each one's last token [prompts, samples,
+    hidden] float32, else None). Each prompt is prefilled once; its cache is copied to its
+    samples' rows (`repeat_rows`), which then decode together. `row_ids` (default 0, 1, ...):
+    one id per sample, prompt by prompt (`row_keys`), so a sample draws the same text in any
+    batch. `rows` pads the prompts as in `generate`; the decode batch is `samples` times it."""
     mesh = placement(decoder)
     if not prompts:
         raise ValueError("generate: empty batch")
@@ -356,7 +392,7 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
         raise ValueError("generate: every prompt needs at least one token")
     n = len(prompts)
     per_row = bool(stop_ids) and isinstance(stop_ids[0], (list, tuple, np.ndarray))
-    stops = list(stop_ids) if per_row else [list(stop_ids)] * n
+    stops = [s for s in (list(stop_ids) if per_row else [list(stop_ids)] * n) for _ in range(samples)]
     batch, length, steps = batch_rows(n, mesh, rows), bucket(max(len(p) for p in prompts)), bucket(max_new_tokens)
     state = init_state(decoder, batch, length + steps)
     ids, mask = left_pad(prompts, length, batch)
@@ -364,15 +400,21 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     for start in range(0, length, chunk):  # whole chunks, the last one maybe shorter
         cols = slice(start, start + chunk)
         state, _ = extend(decoder, state, on_mesh(ids[:, cols], mesh), on_mesh(mask[:, cols], mesh))
-    budget = np.zeros(batch, np.int32)
-    budget[:n] = max_new_tokens
+    if samples > 1:
+        state = repeat_rows(state, samples)
+    total = batch * samples
+    budget = np.zeros(total, np.int32)
+    budget[:n * samples] = max_new_tokens
     rng = jax.random.key(0) if rng is None else rng
-    ids = np.arange(batch, dtype=np.uint32)  # padding rows: ids past the prompts'
+    ids = np.arange(total, dtype=np.uint32)  # padding rows: ids past the prompts'
     if row_ids is not None:
-        if len(row_ids) != n:
-            raise ValueError(f"generate: {len(row_ids)} row ids for {n} prompts")
-        ids[:n] = row_ids
-    _, tokens, count, _ = decode(decoder, state, on_mesh(stop_matrix(stops, batch), mesh), on_mesh(budget, mesh),
-                                 rng, on_mesh(ids, mesh), max_new=steps, sampling=sampling)
-    tokens, count = np.asarray(tokens), np.asarray(count)
-    return [tokens[i, : count[i]].tolist() for i in range(n)]
+        if len(row_ids) != n * samples:
+            raise ValueError(f"generate: {len(row_ids)} row ids for {n} prompts x {samples} samples")
+        ids[:n * samples] = row_ids
+    out = decode(decoder, state, on_mesh(stop_matrix(stops, total), mesh), on_mesh(budget, mesh), rng,
+                 on_mesh(ids, mesh), max_new=steps, sampling=sampling, hidden_layer=hidden_layer)
+    tokens, count = np.asarray(out.tokens), np.asarray(out.count)
+    texts = [[tokens[i * samples + j, : count[i * samples + j]].tolist() for j in range(samples)] for i in range(n)]
+    if hidden_layer is None:
+        return texts, None
+    return texts, np.asarray(out.end_hidden)[:n * samples].reshape(n, samples, -1)

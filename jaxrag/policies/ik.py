@@ -9,7 +9,7 @@ read the question and the whole answer prefix, i.e. where a fine-tuned classifie
 Yes/No logit. The layer defaults to the middle of the stack: knowledge-awareness is most
 linearly readable mid-depth (SR-RAG's own datastore key is a middle layer for the same reason).
 
-The closed-book helpers (`closed_book_generations`, `last_token_states`, `retrieve_sources`) are
+The closed-book helpers (`closed_book_samples`, `last_token_states`, `retrieve_sources`) are
 shared with SeaKR and CCSK, which also look at what the model says without retrieval.
 """
 
@@ -26,7 +26,7 @@ from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from jaxrag.decode.policy import Policy, PolicyDecision, PolicyInputs
-from jaxrag.decode.sampler import SamplingParams, generate, prefill_last
+from jaxrag.decode.sampler import SamplingParams, generate_samples, prefill_last
 from jaxrag.errors import JaxragError
 from jaxrag.models.model import Model
 from jaxrag.prompts import base_prompt_ids, base_prompt_text
@@ -50,26 +50,38 @@ def default_stop_ids(model: Model) -> list[int]:
     return [] if eos is None else [eos]
 
 
-def closed_book_generations(model: Model, questions: Sequence[str], max_new_tokens: int, *, samples: int = 1,
-                            sampling: SamplingParams = GREEDY, rng: jax.Array | None = None,
-                            stop_ids: Sequence[int] | None = None, max_rows: int = 128) -> list[list[list[int]]]:
-    """`samples` continuations of each question's closed-book prompt -> [question][sample] token
-    ids (stop token kept, as `generate` returns them). Questions are batched so that one
-    `generate` call holds at most `max_rows` rows (questions x samples); sample j of question q
-    draws with its own key (`sampler.row_keys`, from q's text and j), so it is the same in any
-    batch of questions and on any device."""
+def closed_book_samples(model: Model, questions: Sequence[str], max_new_tokens: int, *, samples: int = 1,
+                        sampling: SamplingParams = GREEDY, rng: jax.Array | None = None,
+                        stop_ids: Sequence[int] | None = None, max_rows: int = 128,
+                        layer: int | None = None) -> tuple[list[list[list[int]]], np.ndarray | None]:
+    """`samples` continuations of each question's closed-book prompt -> ([question][sample] token
+    ids, stop token kept, as `generate` returns them; with `layer`, the hidden state after that
+    decoder layer at each one's last token [questions, samples, hidden], read as the decode loop
+    writes it, else None). Each prompt is prefilled once for all its samples
+    (`sampler.generate_samples`); one call holds at most `max_rows` rows (questions x samples).
+    Sample j of question q draws with its own key (`sampler.row_keys`, from q's text and j), so it
+    is the same in any batch of questions and on any device."""
     prompts = closed_book_prompts(model, questions)
     stops = default_stop_ids(model) if stop_ids is None else list(stop_ids)
     rng = jax.random.key(0) if rng is None else rng
-    per_call = max(1, max_rows // samples)
+    per_call = 1 << (max(1, max_rows // samples).bit_length() - 1)  # padded to a power of two: <= max_rows rows
     out: list[list[list[int]]] = []
+    states = []
     for start in range(0, len(prompts), per_call):
-        chunk = prompts[start:start + per_call]
-        rows = [p for p in chunk for _ in range(samples)]
         ids = [zlib.crc32(f"{q}\x00{j}".encode()) for q in questions[start:start + per_call] for j in range(samples)]
-        gens = generate(model.decoder, rows, max_new_tokens, stop_ids=stops, sampling=sampling, rng=rng, row_ids=ids)
-        out += [gens[i * samples:(i + 1) * samples] for i in range(len(chunk))]
-    return out
+        gens, hidden = generate_samples(model.decoder, prompts[start:start + per_call], max_new_tokens, samples=samples,
+                                        stop_ids=stops, sampling=sampling, rng=rng, row_ids=ids, hidden_layer=layer)
+        out += gens
+        states.append(hidden)
+    return out, (None if layer is None else np.concatenate(states))
+
+
+def closed_book_generations(model: Model, questions: Sequence[str], max_new_tokens: int, *, samples: int = 1,
+                            sampling: SamplingParams = GREEDY, rng: jax.Array | None = None,
+                            stop_ids: Sequence[int] | None = None, max_rows: int = 128) -> list[list[list[int]]]:
+    """`closed_book_samples`' token ids alone: [question][sample]."""
+    return closed_book_samples(model, questions, max_new_tokens, samples=samples, sampling=sampling, rng=rng,
+                               stop_ids=stop_ids, max_rows=max_rows)[0]
 
 
 def last_token_states(model: Model, sequences: Sequence[Sequence[int]], layer: int,
@@ -107,9 +119,8 @@ def ik_features(model: Model, questions: Sequence[str], *, layer: int | None = N
     """Question + its first `answer_tokens` greedy closed-book tokens -> the frozen model's
     hidden state at the last token, [n, hidden]."""
     layer = middle_layer(model) if layer is None else layer
-    prompts = closed_book_prompts(model, questions)
-    answers = closed_book_generations(model, questions, answer_tokens, max_rows=max_rows)
-    return last_token_states(model, [p + a[0] for p, a in zip(prompts, answers)], layer, max_rows)
+    _, states = closed_book_samples(model, questions, answer_tokens, max_rows=max_rows, layer=layer)
+    return states[:, 0]
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ SeaKR's release (temperature 1.0, top-k 50, top-p 0.9). Only the when-to-retriev
 is used here: its re-ranking and reasoning-strategy selection have no counterpart in a single
 retrieve-or-not routing decision. SeaKR reads its "EOS embedding" when the stop token is fed back
 in; here that is the state at the stop token of prompt + generation (the last generated token
-when a sample runs out of budget), recomputed exactly with one batched forward pass. Its vLLM hook
+when a sample runs out of budget), read in the decode loop as the token is written. Its vLLM hook
 takes layer 15's MLP output; we take the residual stream at L/2 (transformers' hidden_states).
 """
 
@@ -27,8 +27,7 @@ from jaxrag.decode.policy import Policy, PolicyDecision, PolicyInputs
 from jaxrag.decode.sampler import SamplingParams
 from jaxrag.models.model import Model
 from jaxrag.policies.ik import (
-    closed_book_generations,
-    closed_book_prompts,
+    closed_book_samples,
     default_stop_ids,
     last_token_states,
     middle_layer,
@@ -57,23 +56,30 @@ def _is_empty(tokenizer, generation: Sequence[int], stops: set[int]) -> bool:
     return not text.strip()
 
 
+def _kept(tokenizer, generations: Sequence[Sequence[Sequence[int]]], stops: set[int]) -> list[list[int]]:
+    """Per question, the samples that say something besides the stop token."""
+    return [[j for j, g in enumerate(gens) if g and not _is_empty(tokenizer, g, stops)] for gens in generations]
+
+
+def _eigen_scores(keep: list[list[int]], states_of, alpha: float) -> np.ndarray:
+    """Per question: the eigen score of its kept samples' states (`states_of(i, kept)` -> [k, d]),
+    or EMPTY_SCORE when none is kept."""
+    return np.array([eigen_score(states_of(i, js), alpha) if js else EMPTY_SCORE for i, js in enumerate(keep)])
+
+
 def end_token_uncertainty(model: Model, prompts: Sequence[Sequence[int]],
                           generations: Sequence[Sequence[Sequence[int]]], *, layer: int | None = None,
                           alpha: float = EIGEN_ALPHA, stop_ids: Sequence[int] | None = None,
                           max_rows: int = 64) -> np.ndarray:
-    """Per question: eigen score of its samples' end-token states at `layer` -> [n].
-    prompts[i] + generations[i][j] is sample j of question i (stop token kept)."""
+    """Per question: eigen score of given samples' end-token states at `layer` -> [n], each read
+    by a prefill of prompt + sample. prompts[i] + generations[i][j] is sample j of question i
+    (stop token kept). `seakr_uncertainty` reads the states its own samples end on as it decodes them."""
     layer = middle_layer(model) if layer is None else layer
-    stops = set(default_stop_ids(model) if stop_ids is None else stop_ids)
-    keep = [[j for j, g in enumerate(gens) if g and not _is_empty(model.tokenizer, g, stops)] for gens in generations]
+    keep = _kept(model.tokenizer, generations, set(default_stop_ids(model) if stop_ids is None else stop_ids))
     sequences = [list(p) + list(gens[j]) for p, gens, js in zip(prompts, generations, keep) for j in js]
     states = last_token_states(model, sequences, layer, max_rows) if sequences else None
-    scores, start = np.full(len(prompts), EMPTY_SCORE), 0
-    for i, js in enumerate(keep):
-        if js:
-            scores[i] = eigen_score(states[start:start + len(js)], alpha)
-        start += len(js)
-    return scores
+    starts = np.cumsum([0, *map(len, keep)])
+    return _eigen_scores(keep, lambda i, js: states[starts[i]:starts[i] + len(js)], alpha)
 
 
 def seakr_uncertainty(model: Model, questions: Sequence[str], *, samples: int = SEAKR_SAMPLES,
@@ -81,13 +87,16 @@ def seakr_uncertainty(model: Model, questions: Sequence[str], *, samples: int = 
                       sampling: SamplingParams = SEAKR_SAMPLING, alpha: float = EIGEN_ALPHA,
                       rng: jax.Array | None = None, stop_ids: Sequence[int] | None = None,
                       max_rows: int = 128) -> np.ndarray:
-    """SeaKR's uncertainty U(q) for each question's closed-book prompt -> [n].
-    `max_new_tokens` 64 = the answer budget of routed decoding (SeaKR's 100 is for CoT steps);
-    `stop_ids` default EOS (SeaKR also stops at a newline: pass its token ids for chatty models)."""
-    gens = closed_book_generations(model, questions, max_new_tokens, samples=samples, sampling=sampling,
-                                   rng=rng, stop_ids=stop_ids, max_rows=max_rows)
-    return end_token_uncertainty(model, closed_book_prompts(model, questions), gens, layer=layer, alpha=alpha,
-                                 stop_ids=stop_ids, max_rows=max_rows)
+    """SeaKR's uncertainty U(q) for each question's closed-book prompt -> [n]: the prompt is
+    prefilled once for its samples, and each sample's end-token state is read as it is decoded
+    (`ik.closed_book_samples`). `max_new_tokens` 64 = the answer budget of routed decoding
+    (SeaKR's 100 is for CoT steps); `stop_ids` default EOS (SeaKR also stops at a newline: pass
+    its token ids for chatty models)."""
+    layer = middle_layer(model) if layer is None else layer
+    gens, states = closed_book_samples(model, questions, max_new_tokens, samples=samples, sampling=sampling,
+                                       rng=rng, stop_ids=stop_ids, max_rows=max_rows, layer=layer)
+    keep = _kept(model.tokenizer, gens, set(default_stop_ids(model) if stop_ids is None else stop_ids))
+    return _eigen_scores(keep, lambda i, js: states[i, js], alpha)
 
 
 def fit_seakr_threshold(uncertainty: np.ndarray, needs_retrieval: np.ndarray) -> float:
