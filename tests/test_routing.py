@@ -109,6 +109,41 @@ def test_a_loops_last_shorter_batch_runs_the_full_batches_programs(model, datast
         batch_rows(11, size=10)
 
 
+def test_datastore_scores_each_source_from_the_cache_routing_leaves(model):
+    """`source_likelihoods` (the policy datastore's key and per-source log-likelihoods) in one
+    batch equal each question done by hand: the hidden state at <EOQ> (a forward pass), the
+    verbalization routing writes (`route` with <Self> forced), and the gold answer scored after
+    each source's prefix by a prefill of it (`score`): <Self> with the tokens the model wrote,
+    <Wiki> with the passages cut to the knowledge budget, each then `<EOK> Answer:`."""
+    from jaxrag.decode.scoring import score
+    from jaxrag.decode.source_scores import SOURCES, source_likelihoods
+    from jaxrag.prompts import answer_ids
+
+    assert SOURCES == ("self", "wiki")
+    tok, eos, eok = model.tokenizer, model.tokenizer.eos_token_id, model.token_id("<EOK>")
+    answers = ["Hawthorne", "the fox", "passages", "the dog"]
+    passages = [[f"{q} is answered in passage {i}."] for i, q in enumerate(QUESTIONS)]
+    passages[3] = []  # no passage: the <Wiki> row scores the answer right after the tail
+    cfg = dataclasses.replace(CFG, max_knowledge_tokens=7)  # some passages are cut
+    keys, ll = source_likelihoods(model, QUESTIONS, answers, passages, cfg, rows=4)
+    routed = route(model, QUESTIONS, always("self"), retrieve, cfg)
+    tail = answer_prefix_ids(tok)
+    for i, q in enumerate(QUESTIONS):
+        prompt = prompt_ids(tok, [q])[0]
+        np.testing.assert_allclose(keys[i], np.asarray(model.hidden_states([prompt], cfg.hidden_layer))[0, -1],
+                                   atol=1e-4)
+        verbal = generate(model.decoder, [prompt + [model.token_id(source_token("self"))]], cfg.max_verbal_tokens,
+                          stop_ids=[eok, eos])[0]
+        assert tok.decode([t for t in verbal if t not in (eok, eos)]).strip() == routed[i].knowledge
+        own = prompt + [model.token_id(source_token("self"))] + verbal + (tail[1:] if verbal[-1:] == [eok] else tail)
+        know = knowledge_ids(tok, [passages[i]])[0][:cfg.max_knowledge_tokens]
+        wiki = prompt + [model.token_id(source_token("wiki"))] + know + tail
+        target = answer_ids(tok, [answers[i]])[0]
+        want = score(model.decoder, [own, wiki], [target, target], batch_size=2).total
+        np.testing.assert_allclose(ll[i], want, atol=1e-3)
+    assert len(knowledge_ids(tok, [passages[0]])[0]) > cfg.max_knowledge_tokens
+
+
 def test_inference_layout_routes_and_answers_alike(model, datastore):
     """The model as inference loads it (`for_inference`) routes, verbalizes and answers as the
     stacked model does: the same sources, knowledge and answers, p_M to float tolerance."""

@@ -106,13 +106,22 @@ def init_state(decoder: Decoder, batch: int, slots: int) -> DecodeState:
     """A zeroed state for `batch` rows of `slots` cache slots, placed as the decoder is
     (`placement`): rows over the mesh's batch axes, KV heads over `tensor`; created in place on
     the devices (no device holds the whole cache)."""
+    where = state_shardings(decoder, batch, slots)
+    if where is None:
+        return _zero_state(decoder, batch, slots)
+    return zeros_on(jax.eval_shape(lambda: _zero_state(decoder, batch, slots)), where)
+
+
+def state_shardings(decoder: Decoder, batch: int, slots: int) -> DecodeState | None:
+    """Where a state of `batch` rows and `slots` slots goes on the decoder's devices (None: on its
+    one device): rows over the mesh's batch axes, KV heads over `tensor`."""
     mesh = placement(decoder)
     if mesh is None:
-        return _zero_state(decoder, batch, slots)
+        return None
     shapes = jax.eval_shape(lambda: _zero_state(decoder, batch, slots))
     whole = sharding.replicated(mesh)
     rows = batch_sharding(mesh) if batch % data_parallel_size(mesh) == 0 else whole  # one row: on every device
-    return zeros_on(shapes, DecodeState(cache_shardings(mesh, shapes.cache), rows, rows, whole, rows))
+    return DecodeState(cache_shardings(mesh, shapes.cache), rows, rows, whole, rows)
 
 
 def cache_shardings(mesh, cache) -> tuple:
@@ -127,10 +136,16 @@ def zeros_on(shapes, shardings):
     return jax.tree.map(lambda x, where: jnp.zeros(x.shape, x.dtype, device=where), shapes, shardings)
 
 
+def chunk_positions(state: DecodeState, mask):
+    """A left-padded chunk's position ids [batch, t] (each row's real tokens counted on from its
+    next position) and the key mask with the chunk's columns written at the shared slot."""
+    positions = state.next_pos[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    return positions, jax.lax.dynamic_update_slice(state.key_mask, mask, (0, state.slot))
+
+
 def _extend(decoder: Decoder, state: DecodeState, ids, mask, hidden_layer=None):
     mask = mask.astype(bool)
-    positions = state.next_pos[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    key_mask = jax.lax.dynamic_update_slice(state.key_mask, mask, (0, state.slot))
+    positions, key_mask = chunk_positions(state, mask)
     last = jnp.full((ids.shape[0], 1), ids.shape[1] - 1, jnp.int32)
     out = decoder(ids, positions, key_mask, cache=state.cache, cache_index=state.slot,
                   hidden_layer=hidden_layer, logit_positions=last)
@@ -274,12 +289,19 @@ def decode(decoder: Decoder, state: DecodeState, stop_ids, budget, rng, row_ids,
     return Decoded(state, tokens, count, stopped, end)
 
 
-@partial(jax.jit, static_argnames="samples")
-def repeat_rows(state: DecodeState, samples: int) -> DecodeState:
+def repeat_rows(decoder: Decoder, state: DecodeState, samples: int) -> DecodeState:
     """Each row of a state `samples` times in a row (row i -> rows i*samples ... i*samples +
-    samples - 1), its cache included: one prefill serves every sample of a prompt. On a mesh, a
-    device's rows stay on it (it holds a contiguous block of prompts, and their copies follow)."""
-    return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, samples, axis=0), state)
+    samples - 1), its cache included: one prefill serves every sample of a prompt, or every
+    source of a question. Placed as `init_state` places a state of that many rows (a device's
+    rows stay on it: it holds a contiguous block of prompts, and their copies follow)."""
+    rows, slots = state.key_mask.shape
+    return _repeat_rows(state, samples, state_shardings(decoder, rows * samples, slots))
+
+
+@partial(jax.jit, static_argnames=("samples", "where"))
+def _repeat_rows(state: DecodeState, samples: int, where) -> DecodeState:
+    out = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, samples, axis=0), state)
+    return out if where is None else jax.lax.with_sharding_constraint(out, where)
 
 
 def left_pad(rows: Sequence[Sequence[int]], length: int, batch: int, pad_id: int = 0):
@@ -401,7 +423,7 @@ def generate_samples(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new
         cols = slice(start, start + chunk)
         state, _ = extend(decoder, state, on_mesh(ids[:, cols], mesh), on_mesh(mask[:, cols], mesh))
     if samples > 1:
-        state = repeat_rows(state, samples)
+        state = repeat_rows(decoder, state, samples)
     total = batch * samples
     budget = np.zeros(total, np.int32)
     budget[:n * samples] = max_new_tokens

@@ -1,7 +1,8 @@
 """Batched likelihood scoring: log p(target | prefix) for many (prefix, target) pairs.
 
 Data construction scores 10 contexts per question (l_j = p_M(a | q, c_j)), DPO needs sequence
-log-probs of chosen / rejected verbalizations; both go through `score`.
+log-probs of chosen / rejected verbalizations; both go through `score`. The policy datastore
+scores the gold answer from the cache its routed prefix left (`extend_logprobs`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrag.decode.sampler import batch_rows, bucket, left_pad, on_mesh, placement
+from jaxrag.decode.sampler import DecodeState, batch_rows, bucket, chunk_positions, left_pad, on_mesh, placement
 from jaxrag.models.decoder import Decoder
 from jaxrag.models.masks import positions_from_mask
 from jaxrag.train.losses import target_logprobs
@@ -30,6 +31,18 @@ def sequence_token_logprobs(decoder: Decoder, ids: jax.Array, mask: jax.Array, t
     """ids/mask [batch, seq], targets [batch, k] positions (0 = unused) -> [batch, seq]
     log p(ids[:, t] | ids[:, :t]) at the targets, 0 elsewhere; the head runs there only."""
     out = decoder(ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(targets - 1, 0))
+    return target_logprobs(out.logits, ids, targets)
+
+
+@nnx.jit
+def extend_logprobs(decoder: Decoder, state: DecodeState, ids, mask, targets) -> jax.Array:
+    """Appends a left-padded chunk ids/mask [batch, t] to every row's cache (as `sampler.extend`)
+    and returns log p(ids[:, j] | all the row holds before j) at the chunk's columns `targets`
+    [batch, k] (0 = unused; column 0 is never one), 0 elsewhere [batch, t]: a continuation scored
+    from the cache a prefill left, the head run at the targets only."""
+    positions, key_mask = chunk_positions(state, mask.astype(bool))
+    out = decoder(ids, positions, key_mask, cache=state.cache, cache_index=state.slot,
+                  logit_positions=jnp.maximum(targets - 1, 0))
     return target_logprobs(out.logits, ids, targets)
 
 

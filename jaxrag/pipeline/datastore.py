@@ -12,13 +12,10 @@ from ml_collections import ConfigDict
 
 from jaxrag.runtime import concurrency, multihost, shares
 from jaxrag.data.schema import question_key
-from jaxrag.decode.routing import route
-from jaxrag.decode.scoring import score
+from jaxrag.decode.source_scores import SOURCES, source_likelihoods
 from jaxrag.errors import JaxragError
-from jaxrag.models.tokens import SELF, WIKI, source_token
+from jaxrag.models.tokens import SELF, WIKI
 from jaxrag.pipeline.workdir import construct_records, load, route_config
-from jaxrag.policies import always
-from jaxrag.prompts import answer_ids, answer_prefix_ids, knowledge_ids, prompt_ids
 from jaxrag.retrieval.datastore import build_datastore
 from jaxrag.train.stages import FINAL
 
@@ -27,34 +24,20 @@ def preferred_sources(model, records: list[dict], cfg: ConfigDict, spool: Path) 
     """The policy datastore's keys and values (§3.4): the fine-tuned model reads each training
     question (hidden state of `datastore_layer` at `<EOQ>` = key), verbalizes its own knowledge
     (the Self path, greedy) and is given the question's retrieved passages; the value is the
-    source under which it finds the gold answer more likely (ties go to Wiki, as Algorithm 1).
-    Batches of `inference.batch_size` questions, split between the processes (`shares`)."""
-    tok, rc = model.tokenizer, route_config(cfg)
-    batch, tail = int(cfg.inference.batch_size), answer_prefix_ids(tok)
+    source under which it finds the gold answer more likely (ties go to Wiki, as Algorithm 1),
+    scored from the cache each path left (`decode.source_scores`). Batches of
+    `inference.batch_size` questions, split between the processes (`shares`)."""
+    rc, batch = route_config(cfg), int(cfg.inference.batch_size)
 
     def chunk(start: int) -> tuple[np.ndarray, list[str]]:
         concurrency.check()
         part = records[start:start + batch]
-        questions = [r["question"] for r in part]
-        seen = []
-
-        def forced(inputs):
-            seen.append(inputs.hidden)
-            return always(SELF)(inputs)
-
-        verbal = [r.knowledge for r in route(model, questions, forced, lambda qs: [[""]] * len(qs), rc, rows=batch)]
         retrieved = [[c["text"] for c in r["contexts"] if c["source"] == WIKI][: int(cfg.retrieval.n_passages)]
                      for r in part]
-        prompts = prompt_ids(tok, questions)
-        prefixes, targets = [], []
-        for i, rec in enumerate(part):
-            answer = answer_ids(tok, [rec["golden_answers"][0]])[0]
-            for source, passages in ((SELF, [verbal[i]]), (WIKI, retrieved[i])):
-                know = knowledge_ids(tok, [passages])[0][: rc.max_knowledge_tokens]
-                prefixes.append(prompts[i] + [model.token_id(source_token(source))] + know + tail)
-                targets.append(answer)
-        ll = np.asarray(score(model.decoder, prefixes, targets, batch_size=batch).total).reshape(-1, 2)
-        return np.asarray(seen[0]), [SELF if s > w or not retrieved[i] else WIKI for i, (s, w) in enumerate(ll)]
+        keys, ll = source_likelihoods(model, [r["question"] for r in part], [r["golden_answers"][0] for r in part],
+                                      retrieved, rc, rows=batch)
+        own, wiki = ll[:, SOURCES.index(SELF)], ll[:, SOURCES.index(WIKI)]
+        return keys, [SELF if s > w or not retrieved[i] else WIKI for i, (s, w) in enumerate(zip(own, wiki))]
 
     done = shares.map_shared(chunk, shares.chunk_starts(len(records), batch), spool, "datastore", "datastore")
     return np.concatenate([k for k, _ in done]), [v for _, values in done for v in values]
