@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import (Parser, add_common_args, check_arch, environment, median, positive_int,
                                qwen2_config, write_json)
-from jaxrag.decode import sampler
+from jaxrag.decode import sampler, sampling
 from jaxrag.decode import slots as slot_pool
 from jaxrag.decode.sampler import generate
 from jaxrag.models import hf
@@ -83,7 +83,7 @@ def compile_decode_step(decoder: Decoder, batch: int, slots: int, pool: bool = F
 
     def step(p, st, ids, mask):
         new, _ = sampler._extend(nnx.merge(graphdef, p), st, ids, mask)
-        return new, sampler.sample_tokens(new.logits, jax.random.key(0), sampler.SamplingParams())
+        return new, sampling.sample_tokens(new.logits, jax.random.key(0), sampling.SamplingParams())
 
     args = (_abstract(params), state, jax.ShapeDtypeStruct((batch, 1), jnp.int32),
             jax.ShapeDtypeStruct((batch, 1), bool))

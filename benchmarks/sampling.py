@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import Parser, environment, median, positive_int, write_json
-from jaxrag.decode.sampler import SamplingParams, candidates, sample_tokens
+from jaxrag.decode.sampling import SamplingParams, candidates, sample_tokens
 
 CASES = {"seakr": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
          "genread": SamplingParams(temperature=0.7, top_p=0.9),

@@ -75,7 +75,7 @@ def verbalize(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, s
     """Generates one document per prompt (token ids), stopping at EOS or after `max_new_tokens`.
 
     Prompts are sorted by length and generated `batch_size` at a time, prompt i sampling with
-    its own key (`sampler.row_keys(rng, i)`), so the result is a pure function of the prompts and
+    its own key (`sampling.row_keys(rng, i)`), so the result is a pure function of the prompts and
     rng, whatever the batch or device a prompt runs in. A short last batch is padded (outputs
     dropped): every batch has the same rows, so a run compiles one program per prompt-length
     bucket.

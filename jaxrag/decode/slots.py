@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, nucleus, placement, row_keys, zeros_on
+from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, placement, zeros_on
+from jaxrag.decode.sampling import nucleus, row_keys
 from jaxrag.errors import JaxragError
 from jaxrag.models.decoder import Decoder, init_cache
 from jaxrag.models.kv_cache import LayerCache
@@ -109,7 +110,7 @@ def init_parking(decoder: Decoder, slots: int, width: int) -> DecodeState:
 @jax.jit
 def stage_keys(rng: jax.Array, row_ids) -> jax.Array:
     """[rows, 2, key words] uint32: each row's verbalization and answer keys, as `route` keys its
-    phases (`rng` folded with the phase, then with the row's id: `sampler.row_keys`)."""
+    phases (`rng` folded with the phase, then with the row's id: `sampling.row_keys`)."""
     return jnp.stack([jax.random.key_data(row_keys(jax.random.fold_in(rng, phase), row_ids)) for phase in (0, 1)], 1)
 
 
@@ -166,7 +167,7 @@ def enter(decoder: Decoder, pool: SlotPool, parking: DecodeState, rows, parked, 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
     """logits [slots, vocab] -> token ids [slots]: greedy where temperature is 0, else row i's draw
-    with its own key keys[i] from its top-p nucleus at its temperature (`sampler.sample_tokens`)."""
+    with its own key keys[i] from its top-p nucleus at its temperature (`sampling.sample_tokens`)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
 

@@ -59,7 +59,7 @@ def closed_book_samples(model: Model, questions: Sequence[str], max_new_tokens: 
     decoder layer at each one's last token [questions, samples, hidden], read as the decode loop
     writes it, else None). Each prompt is prefilled once for all its samples
     (`sampler.generate_samples`); one call holds at most `max_rows` rows (questions x samples).
-    Sample j of question q draws with its own key (`sampler.row_keys`, from q's text and j), so it
+    Sample j of question q draws with its own key (`sampling.row_keys`, from q's text and j), so it
     is the same in any batch of questions and on any device."""
     prompts = closed_book_prompts(model, questions)
     stops = default_stop_ids(model) if stop_ids is None else list(stop_ids)
