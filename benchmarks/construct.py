@@ -3,8 +3,7 @@
     python -m benchmarks.construct [--questions 8] [--new 48] [--hidden 256] -> JSON on stdout
 
 A warm-up run compiles every program; a second run on fresh questions of the same shapes is
-timed (questions/s, the split between GenRead generation and likelihood scoring, and the tokens
-the scoring passes compute over those the questions' rows hold, padding included). A random
+timed (questions/s, and the split between GenRead generation and likelihood scoring). A random
 model never emits EOS, so every verbalization runs to its token limit: the worst case.
 """
 
@@ -106,15 +105,6 @@ def main():
     genread_mod.verbalize = timed("generate_s", genread_mod.verbalize)
     construct_mod.verbalize = timed("generate_s", construct_mod.verbalize)
     construct_mod.answer_logliks = timed("score_s", construct_mod.answer_logliks)
-    score_groups = construct_mod.score_groups
-
-    def counted(*a, **kw):  # the scoring passes' tokens: the groups' own, and those computed with padding
-        out = score_groups(*a, **kw)
-        timings["score_real_tokens"] += out.real_tokens
-        timings["score_padded_tokens"] += out.padded_tokens
-        return out
-
-    construct_mod.score_groups = counted
     with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
         warnings.simplefilter("ignore")
         start = time.perf_counter()
@@ -132,7 +122,6 @@ def main():
         "warmup_with_compile_s": round(warm, 2), "seconds": round(seconds, 2),
         "questions_per_s": round(args.questions / seconds, 3),
         "generate_s": round(timings["generate_s"], 2), "score_s": round(timings["score_s"], 2),
-        "score_padded_over_real_tokens": round(timings["score_padded_tokens"] / max(timings["score_real_tokens"], 1), 3),
         "generated_tokens_per_s": round(args.questions * (args.n + 1) * args.new / max(timings["generate_s"], 1e-9), 1),
     }, indent=1))
 

@@ -136,10 +136,9 @@ def smoke():
         retrieval=dict(n_passages=1),
         data=dict(train_sizes={name: 1 for name in TRAIN_DATASETS},
                   validation_sizes={name: 1 for name in TRAIN_DATASETS}),
-        # Every step of Algorithm 1 at its smallest: two contexts, two clusters, 8-token documents;
-        # a shard's two questions scored in one pass (5 rows each: no context, 2 GenRead, 2 retrieved).
+        # Every step of Algorithm 1 at its smallest: two contexts, two clusters, 8-token documents.
         construct=dict(n_contexts=2, verbalize_max_tokens=8, kmeans_clusters=2, demos_per_cluster=1,
-                       generate_batch_size=8, score_batch_size=10, shard_size=2),
+                       generate_batch_size=8, score_batch_size=8, shard_size=2),
         # Two steps of two micro-batches per stage; lr and token rows as the full size.
         stage1=dict(batch_size=4, epochs=1, per_device_batch_size=2, checkpoint_every=50, lr=3e-5,
                     token_lr_scale=300.0),

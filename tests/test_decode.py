@@ -117,47 +117,6 @@ def test_score_equals_transformers_token_logprobs(tiny_hf, variant):
         assert abs(got.total[i] - want.sum()) < 1e-4
 
 
-def test_groups_score_their_shared_prefix_once_as_transformers_scores_each_row(tiny_hf, monkeypatch):
-    """`score_groups`: a group's prefixes share their longest common prefix, prefilled once for
-    all of them (one head row per group), each row appending only its own tokens and the target,
-    rows of similar length together; every log-likelihood is transformers' for the whole
-    sequence. Tokens counted by hand."""
-    from jaxrag.decode import sampler, scoring
-
-    ref, _, model = tiny_hf("qwen2")
-    head = [5, 17, 33, 9]
-    groups = [[head + [41], head + [42, 43, 44], head[:2] + [7]], [[99, 3, 120]], [[8, 9], [8, 9, 10]]]
-    targets = [[40, 41, 42], [2], [60, 61]]
-    assert [scoring.shared_prefix(g) for g in groups] == [2, 2, 1]  # each row keeps a token of its own
-    heads = []
-    extend = sampler.extend
-    monkeypatch.setattr(scoring, "extend", lambda dec, st, i, m, **kw: heads.append(i.shape) or extend(dec, st, i, m, **kw))
-    got = scoring.score_groups(model.decoder, groups, targets, batch_size=6)
-    # 6 rows a pass: 2 groups of 3 rows (shortest first: the second and third), then the first, its
-    # pass padded to 2 head rows (it runs the full pass's programs)
-    assert heads == [(2, 2), (2, 2)]
-    for g, t, totals in zip(groups, targets, got.totals):
-        assert totals.shape == (len(g),)
-        for p, total in zip(g, totals):
-            with torch.no_grad():
-                logp = torch.log_softmax(ref(torch.tensor([p + t])).logits[0], -1).numpy()
-            assert abs(total - sum(logp[len(p) - 1 + j, tok] for j, tok in enumerate(t))) < 1e-4
-    alone = scoring.score_groups(model.decoder, groups, targets, batch_size=3)  # a group a pass: one-row heads
-    for a, b in zip(alone.totals, got.totals):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-    # real: each shared prefix once, and each row's own tokens and target
-    own = [[3, 5, 1], [1], [1, 2]]  # the tokens of each prefix past its group's shared ones
-    real = sum(scoring.shared_prefix(g) for g in groups) + sum(sum(o) + len(o) * len(t) for o, t in zip(own, targets))
-    assert got.real_tokens == real == 32
-    # computed: each pass's 2 head rows of 2 columns, and its rows in two length classes, the
-    # shortest row alone, then the two longer (lengths 2 | 3, 4: 1 x 2 + 2 x 4 columns, against
-    # 4 x 4 as one class of 3 rows padded to 4; then 4 | 6, 8: 1 x 4 + 2 x 8)
-    assert scoring.length_classes([6, 8, 4]) == [[2], [0, 1]] and scoring.length_classes([5, 5]) == [[0, 1]]
-    assert scoring.length_classes([3, 200, 2, 190]) == [[2, 0], [3, 1]]
-    assert [scoring.columns(n) for n in (1, 3, 32, 33, 200)] == [1, 4, 32, 64, 224]
-    assert got.padded_tokens == (2 * 2 + 1 * 2 + 2 * 4) + (2 * 2 + 1 * 4 + 2 * 8)
-
-
 def _hf_filtered(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """transformers' TopK then TopP warpers (generate's order) -> logits with the rest at -inf."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper

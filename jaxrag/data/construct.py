@@ -65,7 +65,7 @@ from jaxrag.data.construct_labels import best_worst, label_source, no_context_la
 from jaxrag.data.construct_stats import construct_stats, stats_markdown
 from jaxrag.data.schema import QAExample, write_jsonl
 from jaxrag.decode.sampler import SamplingParams
-from jaxrag.decode.scoring import score_groups
+from jaxrag.decode.scoring import score
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import NONE, SELF, WIKI
 from jaxrag.prompts import answer_ids, answer_prefix_ids, base_prompt_ids, base_prompt_text, prompt_ids
@@ -125,13 +125,25 @@ def answer_logliks(model, questions: Sequence[str], answers: Sequence[str], cont
                    batch_size: int = 32) -> tuple[list[np.ndarray], np.ndarray]:
     """log p_M(a | q, c) for every context of every question ([len(contexts[i])] each) and
     log p_M(a | q) with no context ([n]). Prefix = `base_prompt_ids(base_prompt_text(q, [c]))`,
-    target = `answer_ids(a)` (the answer and EOS). A question's prefixes share the chat header
-    and the question, which are computed once for all of them (`scoring.score_groups`)."""
+    target = `answer_ids(a)` (the answer and EOS). Rows are length-sorted before batching; `score`
+    pads the last batch to `batch_size` rows, so every batch runs one program."""
     tok = model.tokenizer
-    groups = [base_prompt_ids(tok, [base_prompt_text(q)] + [base_prompt_text(q, [c]) for c in cs])
-              for q, cs in zip(questions, contexts)]
-    totals = score_groups(model.decoder, groups, answer_ids(tok, list(answers)), batch_size).totals
-    return [t[1:] for t in totals], np.array([t[0] for t in totals], np.float64)
+    texts, owner = [], []
+    for i, (q, cs) in enumerate(zip(questions, contexts)):
+        texts += [base_prompt_text(q)] + [base_prompt_text(q, [c]) for c in cs]
+        owner += [i] * (1 + len(cs))
+    prefixes = base_prompt_ids(tok, texts)
+    targets = answer_ids(tok, list(answers))
+    order = sorted(range(len(texts)), key=lambda r: (len(prefixes[r]) + len(targets[owner[r]]), r))
+    totals = score(model.decoder, [prefixes[r] for r in order], [targets[owner[r]] for r in order], batch_size).total
+    flat = np.empty(len(texts), np.float64)
+    flat[order] = totals
+    out, no_context, start = [], np.empty(len(questions), np.float64), 0
+    for i, cs in enumerate(contexts):
+        no_context[i] = flat[start]
+        out.append(flat[start + 1:start + 1 + len(cs)])
+        start += 1 + len(cs)
+    return out, no_context
 
 
 # ---------------------------------------------------------------------------------------------

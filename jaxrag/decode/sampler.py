@@ -216,31 +216,23 @@ def decode(decoder: Decoder, state: DecodeState, stop_ids, budget, rng, row_ids,
     return Decoded(state, tokens, count, stopped, end)
 
 
-def gather_rows(decoder: Decoder, state: DecodeState, rows) -> DecodeState:
-    """A state whose row i is row `rows[i]` of `state`, its cache included (a row may be taken
-    any number of times): one prefill serves every sample of a prompt, every source of a
-    question, every context of a question's prefix. Placed as `init_state` places a state of
-    that many rows; the input stays valid."""
-    rows = np.asarray(rows, np.int32)
-    where = state_shardings(decoder, len(rows), state.key_mask.shape[1])
-    return _gather_rows(state, jnp.asarray(rows) if where is None else place(rows, where.next_pos), where)
-
-
 def repeat_rows(decoder: Decoder, state: DecodeState, samples: int) -> DecodeState:
-    """Each row `samples` times in a row (row i -> rows i*samples ... i*samples + samples - 1):
-    `gather_rows`; on a mesh a device's rows stay on it (it holds a contiguous block of prompts,
-    and their copies follow)."""
-    return state if samples == 1 else gather_rows(decoder, state, np.arange(state.key_mask.shape[0]).repeat(samples))
+    """Each row of a state `samples` times in a row (row i -> rows i*samples ... i*samples +
+    samples - 1), its cache included: one prefill serves every sample of a prompt, or every
+    source of a question. Placed as `init_state` places a state of that many rows (a device's
+    rows stay on it: it holds a contiguous block of prompts, and their copies follow)."""
+    if samples == 1:
+        return state
+    rows, slots = state.key_mask.shape
+    return _repeat_rows(state, samples, state_shardings(decoder, rows * samples, slots))
 
 
-@partial(jax.jit, static_argnames="where")
-def _gather_rows(state: DecodeState, rows, where) -> DecodeState:
-    # one row's cache has no row axis (`LayerCache`): taken, it gains one, unless it is one row again
-    def take(x):
-        out = jnp.take(x if x.ndim == 4 else x[None], rows, axis=0)
-        return out[0] if rows.shape[0] == 1 else out
-    cache = tuple(LayerCache(take(c.k), take(c.v)) for c in state.cache)
-    out = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, rows, axis=0), state._replace(cache=()))
+@partial(jax.jit, static_argnames=("samples", "where"))
+def _repeat_rows(state: DecodeState, samples: int, where) -> DecodeState:
+    # one row's cache has no row axis (`LayerCache`): its copies gain one
+    rows = lambda x: jnp.repeat(x if x.ndim == 4 else x[None], samples, axis=0)  # noqa: E731
+    cache = tuple(LayerCache(rows(c.k), rows(c.v)) for c in state.cache)
+    out = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, samples, axis=0), state._replace(cache=()))
     out = out._replace(cache=cache)
     return out if where is None else jax.lax.with_sharding_constraint(out, where)
 

@@ -185,7 +185,7 @@ def tiny_config(family: str) -> ConfigDict:
         max_prompt_tokens=208,  # GenRead prompt budget: 208 + 48 = the 256-token pretraining length
         shard_size=256,  # questions per output shard (the unit of resumption)
         generate_batch_size=64,  # rows per generation batch
-        score_batch_size=32,  # rows per likelihood-scoring pass, in whole questions (1 + 2n rows each)
+        score_batch_size=32,  # rows per likelihood-scoring batch
     ))
     # Stage 1: lr 3e-4 keeps the base's reading; the SR-RAG tokens' new rows at 30x lr learn to route
     # in 3 epochs without bending the body. Chosen among {6 x 10, 6 x 30, 3 x 30} (epochs x scale) on

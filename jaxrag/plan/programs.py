@@ -10,8 +10,7 @@ Shapes (the planner's stated assumptions where the data decides them):
 - construct: GenRead round-2 prompts of `demos_per_cluster` demonstrations + the question, each
   `verbalize_max_tokens` + 48 tokens (or `max_prompt_tokens` when set), bucketed like the sampler
   and prefilled in chunks of `sampler.prefill_chunk` columns (one chunk's pass is the program);
-  likelihood scoring of `score_batch_size` rows in whole questions: each question's prefix
-  prefilled once, then each row's context + answer from that cache (`scoring.score_groups`).
+  likelihood scoring of `score_batch_size` rows of question + one context + answer.
 - routed decoding: `inference.batch_size` rows (padded as the router does), a cache for prompt,
   verbalization, knowledge and answer; the prefill appends the knowledge chunk.
 - generation programs (construct's generation and likelihood scoring, routed decoding) read the
@@ -39,7 +38,7 @@ import transformers
 from flax import nnx
 
 from jaxrag import sharding
-from jaxrag.decode import sampler, sampling, scoring
+from jaxrag.decode import sampler, sampling
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, init_cache, unstack_layers
@@ -47,6 +46,7 @@ from jaxrag.models.encoder import BertConfig, BertEncoder, pool
 from jaxrag.models.encoder_io import encoder_config, max_length_of, resolve_encoder
 from jaxrag.models.families import FAMILIES
 from jaxrag.models.lora import Trainable, check_targets
+from jaxrag.models.masks import positions_from_mask
 from jaxrag.models.model import resolve_model_dir
 from jaxrag.models.tokens import srrag_tokens
 from jaxrag.train import losses, trainer
@@ -250,31 +250,17 @@ def generation_programs(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> li
     extend_program("construct generation: prefill", gen_rows, chunk, gen_slots,
                    gen_calls * -(-bucket(prompt) // chunk), gen_fix)
     extend_program("construct generation: decode step", gen_rows, 1, gen_slots, gen_calls * verbal, gen_fix)
-    # `scoring.score_groups`: a pass holds whole questions (no context, n GenRead, n retrieved rows);
-    # each question's chat header and question are prefilled once, then every row appends its
-    # context and the answer, scored from that cache (the run takes a pass's rows in up to two
-    # length classes; planned as one, at the longer class's width: its upper bound)
-    per_question = 1 + 2 * int(c.n_contexts)
-    fit = max(1, int(c.score_batch_size) // per_question)
-    heads = sampler.batch_rows(fit, mesh, size=fit)  # questions a pass, as the run takes them
-    score_rows, head_len = heads * per_question, scoring.columns(128)
-    width = scoring.columns(max(verbal, 192) + int(inf.max_answer_tokens) + 32)
-    answer = min(width, bucket(int(inf.max_answer_tokens)))
-    score_calls = math.ceil(questions / heads)
-    state = jax.eval_shape(lambda: sampler.DecodeState(
-        init_cache(inf_cfg, score_rows, head_len + width, jnp.dtype(dec_cfg.dtype)),
-        jnp.zeros((score_rows, head_len + width), bool), jnp.zeros((score_rows,), i32), jnp.zeros((), i32),
-        jnp.zeros((score_rows, dec_cfg.padded_vocab_size), f32)))
-    bs = sharding.batch_sharding(mesh)
-    state = _abstract(state, sampler.DecodeState(jax.tree.map(lambda x: sharding.cache_sharding(mesh, x.shape),
-                                                              state.cache), bs, bs, sharding.replicated(mesh), bs))
-    fn = jax.jit(lambda p, st, ids, mask, at: scoring._extend_logprobs(nnx.merge(inf_graphdef, p), st, ids, mask, at))
-    b = _batch(mesh, ids=((score_rows, width), i32), mask=((score_rows, width), bool), at=((score_rows, answer), i32))
-    flops = (forward_flops(dec_cfg, score_rows, width, head_len + width, answer)
-             + forward_flops(dec_cfg, heads, head_len, head_len, 1))  # the shared prefixes' prefill
-    programs.append(Program("construct likelihood scoring", fn, (inf_params, state, b["ids"], b["mask"], b["at"]),
-                            flops, score_rows * width + heads * head_len, score_calls,
-                            inf_param_bytes + device_bytes(state.cache),
+    score_rows = sampler.batch_rows(int(c.score_batch_size), mesh, int(c.score_batch_size))
+    score_len = bucket(128 + max(verbal, 192) + int(inf.max_answer_tokens) + 32)
+    answer = min(score_len, bucket(int(inf.max_answer_tokens)))
+    score_calls = math.ceil(questions * 2 * int(c.n_contexts) / score_rows)
+    fn = jax.jit(lambda p, ids, mask, at: losses.target_logprobs(nnx.merge(inf_graphdef, p)(
+        ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
+    b = _batch(mesh, ids=((score_rows, score_len), i32), mask=((score_rows, score_len), bool),
+               at=((score_rows, answer), i32))
+    programs.append(Program("construct likelihood scoring", fn, (inf_params, b["ids"], b["mask"], b["at"]),
+                            forward_flops(dec_cfg, score_rows, score_len, score_len, answer), score_rows * score_len,
+                            score_calls, inf_param_bytes,
                             split + (f"--config.construct.score_batch_size={max(1, score_rows // 2)}",), mesh, True,
                             upcast_bytes))
     route_rows = sampler.batch_rows(int(inf.batch_size), mesh, int(inf.batch_size))  # as the eval's loops
