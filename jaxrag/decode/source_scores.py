@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxrag.decode.routing import RouteConfig
+from jaxrag.decode.routing import RouteConfig, knowledge_chunk
 from jaxrag.decode.sampler import (batch_rows, bucket, decode, extend, init_state, left_pad, on_mesh, placement,
                                    repeat_rows, stop_matrix)
 from jaxrag.decode.scoring import extend_logprobs
@@ -64,7 +64,8 @@ def source_likelihoods(model: Model, questions: Sequence[str], answers: Sequence
     for i in range(n):
         r = len(SOURCES) * i
         has_eok = bool(stopped[r]) and verbal[r, count[r] - 1] == eok
-        chunks += [(tail[1:] if has_eok else tail) + targets[i], know[i] + tail + targets[i]]
+        own, _ = knowledge_chunk(tok, None, bool(stopped[r]), has_eok, tail, cfg.max_knowledge_tokens)
+        chunks += [own + targets[i], know[i] + tail + targets[i]]
     ids, mask = left_pad(chunks, width, both)
     at = np.zeros((both, bucket(max(map(len, targets)), 1)), np.int32)
     for r in range(len(chunks)):  # rows are left-padded: the answer ends its row
