@@ -33,14 +33,18 @@ from jaxrag.runtime.join import initialize_distributed
 initialize_distributed()
 import jax
 from types import SimpleNamespace
-from jaxrag.errors import run
+from jaxrag.errors import JaxragError, run
 from jaxrag.runtime import multihost
 case, me = os.environ["CASE"], jax.process_index()
+def check():
+    raise JaxragError(f"the check ran on process {me}")
 def main():
     multihost.agree_at_start({"model": {"path": "model"}}, {}, Path(sys.argv[1]))
     multihost.start_watchdog()
     actions = ["skip", "run"] if case == "plan" and me == 1 else ["skip", "skip"]
     multihost.agree_on_plan(["base", "construct"], [SimpleNamespace(action=a) for a in actions])
+    if case == "fit":  # the fit check's way: process 0 alone checks, every process stops with its line
+        multihost.leader_check("fit", check)
     multihost.finish()
 run(main)
 """
@@ -120,10 +124,12 @@ def test_a_process_killed_at_start_up_stops_the_coordinator_with_one_line(killed
     ("plan", "error: process 1 of 2 plans stage 'construct' as 'run' where process 0 plans 'skip': they see the "
              "workdir differently (a shared filesystem's cache); turn its caching off (NFS: mount with "
              "lookupcache=none,actimeo=0) and relaunch the same command"),
+    ("fit", "error: the check ran on process 0"),
 ])
 def test_processes_that_differ_are_refused_by_every_process(case, line, tmp_path):
     """Another model file on process 1's host; another plan on process 1 (its view of the
-    workdir): both processes stop with the same one line and status 2, no watchdog line."""
+    workdir); a check that fails (`leader_check`, as the fit check runs): both processes stop
+    with the same one line and status 2, no watchdog line, and only process 0 ran the check."""
     procs, _ = start(tmp_path, case)
     for i, proc in procs.items():
         code, err = outcome(proc)

@@ -77,9 +77,15 @@ FIT_FILE = "fit.json"  # W/fit.json: the fit verdict and its key (`check_fit_bef
 def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
     """Every program fits, or stop now with the setting to change (`jaxrag.plan`). The verdict is
     kept in `W/fit.json` under a key of everything it depends on (`fit_key`), so a rerun of the
-    same workdir (after an interruption, or a later stage) does not compile the programs again."""
+    same workdir (after an interruption, or a later stage) does not compile the programs again.
+    Process 0 alone checks and keeps the record: every process's programs are the same shapes on
+    the same kind of devices (`multihost.leader_check`)."""
     if is_embedded(cfg) or all(s.action in ("skip", "adopt") for n, s in zip(names, steps) if n in DECODER_STAGES):
         return
+    multihost.leader_check("fit", lambda: _check_fit_once(cfg, workdir))  # every process's programs are process 0's
+
+
+def _check_fit_once(cfg: ConfigDict, workdir: Path) -> None:
     record = workdir / FIT_FILE
     key = fit_key(cfg)
     try:
@@ -88,8 +94,6 @@ def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
     except (OSError, ValueError, AttributeError):  # none yet, or not a record: check
         pass
     check_fit(cfg)
-    if not multihost.is_leader():
-        return
     workdir.mkdir(parents=True, exist_ok=True)
     tmp = record.with_name(f".{FIT_FILE}.tmp")
     tmp.write_text(json.dumps({"key": key, "verdict": "every program fits (jaxrag.plan)"}) + "\n")

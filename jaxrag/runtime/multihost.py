@@ -16,6 +16,8 @@ of JAX's runtime (`jax.distributed`) the pipeline adds:
 - `agree_on_plan`: every process plans the same stages (each decides from its own view of the
   workdir what is done; a shared filesystem's caches can make the views differ).
 - `barrier`: every process reaches a point before any goes on (before and after each stage).
+- `leader_check`: a check every process would compute alike (the fit check compiles every
+  program) is run by process 0 alone, and every process passes or stops with its line.
 - joining the run is `jaxrag.runtime.join`'s (`initialize_distributed`, first thing in a process).
 
 In a single-process run every function here is a no-op, but the workdir's rename probe
@@ -35,7 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -294,6 +296,30 @@ def agree_at_start(config: dict, files: dict[str, str], workdir: Path) -> None:
     for p in range(1, n):
         if problem := _differs(views[0], views[p]):
             raise JaxragError(f"process {p} of {n} {problem}")
+
+
+def leader_check(name: str, check: Callable[[], None]) -> None:
+    """`check()` on process 0 alone; every process then raises the `JaxragError` it raised (the
+    same line on every host), or goes on. For checks whose verdict is the same on every process of
+    a run (identical hosts: what the launchers start), so that the others do not repeat its work;
+    they wait for it as long as a barrier does (a lost process 0 is the watchdog's to report)."""
+    if not is_multiprocess():
+        check()
+        return
+    client, key = _client().client, f"{_PREFIX}/check/{name}"
+    if is_leader():
+        try:
+            check()
+        except JaxragError as e:
+            client.key_value_set(key, f"!{e}")
+            _tell("finished")  # every process refuses alike: no watchdog reports it as a peer's loss
+            raise
+        client.key_value_set(key, "ok")
+        return
+    verdict = client.blocking_key_value_get(key, BARRIER_TIMEOUT_MS)
+    if verdict.startswith("!"):
+        _tell("finished")
+        raise JaxragError(verdict[1:])
 
 
 def agree_on_plan(names, steps) -> None:
