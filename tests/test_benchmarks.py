@@ -88,7 +88,9 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
                  ["benchmarks.train", "--json", str(tmp_path / "x.json"), "--heads", "3"],
                  ["benchmarks.retrieval", "--n", "0", "--json", str(tmp_path / "x.json")],
                  ["benchmarks.fit", "--config", "configs/qwen.py", "--json", str(tmp_path / "no" / "x.json")],
-                 ["benchmarks.serve", "--json", str(tmp_path / "x.json"), "--fractions", "0.7,fast"]):
+                 ["benchmarks.serve", "--json", str(tmp_path / "x.json"), "--fractions", "0.7,fast"],
+                 ["benchmarks.eval", "--json", str(tmp_path / "no" / "x.json")],
+                 ["benchmarks.eval", "--json", str(tmp_path / "x.json"), "--baseline", "no-such-commit"]):
         proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
         assert "error:" in proc.stderr

