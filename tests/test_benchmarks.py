@@ -90,6 +90,7 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
                  ["benchmarks.fit", "--config", "configs/qwen.py", "--json", str(tmp_path / "no" / "x.json")],
                  ["benchmarks.serve", "--json", str(tmp_path / "x.json"), "--fractions", "0.7,fast"],
                  ["benchmarks.eval", "--json", str(tmp_path / "no" / "x.json")],
+                 ["benchmarks.construct", "--json", str(tmp_path / "x.json"), "--baseline", "no-such-commit"],
                  ["benchmarks.eval", "--json", str(tmp_path / "x.json"), "--baseline", "no-such-commit"]):
         proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (args, proc.stderr)
