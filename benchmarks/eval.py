@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import (REPO, Parser, commit_of, environment, median, positive_int, run_in_tree, smollm2_gguf,
                                worktree, write_json)
+
 SETS = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
 
 # Run in each tree's own process (PYTHONPATH = the tree): one JSON line on stdout.

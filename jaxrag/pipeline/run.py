@@ -82,7 +82,7 @@ def check_fit_before(cfg: ConfigDict, workdir: Path, names, steps) -> None:
     the same kind of devices (`multihost.leader_check`)."""
     if is_embedded(cfg) or all(s.action in ("skip", "adopt") for n, s in zip(names, steps) if n in DECODER_STAGES):
         return
-    multihost.leader_check("fit", lambda: _check_fit_once(cfg, workdir))  # every process's programs are process 0's
+    multihost.leader_check("fit", lambda: _check_fit_once(cfg, workdir))
 
 
 def _check_fit_once(cfg: ConfigDict, workdir: Path) -> None:
