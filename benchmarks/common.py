@@ -18,6 +18,8 @@ from pathlib import Path
 import jax
 import transformers
 
+REPO = Path(__file__).resolve().parent.parent
+
 # The comparison model of issue 22: Qwen2 shapes, small enough for a CPU.
 ARCH = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408, vocab=8192)
 
@@ -52,10 +54,14 @@ def check_arch(parser: Parser, args) -> dict:
         parser.error(f"--hidden {arch['hidden']} is not a multiple of --heads {arch['heads']}")
     if arch["heads"] % arch["kv_heads"]:
         parser.error(f"--heads {arch['heads']} is not a multiple of --kv-heads {arch['kv_heads']}")
-    out = Path(args.json)
-    if not out.parent.is_dir():
-        parser.error(f"--json {out}: directory {out.parent} does not exist")
+    check_json(parser, args.json)
     return arch
+
+
+def check_json(parser: Parser, path: str) -> None:
+    """The `--json` file's folder exists, or one line and exit 2 (before any work)."""
+    if not Path(path).parent.is_dir():
+        parser.error(f"--json {path}: directory {Path(path).parent} does not exist")
 
 
 def qwen2_config(arch: dict, max_positions: int) -> transformers.Qwen2Config:
@@ -104,9 +110,6 @@ def write_json(path: str | os.PathLike, result: dict) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     print(json.dumps(result, indent=1))
-
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def commit_of(parser: Parser, ref: str) -> str:

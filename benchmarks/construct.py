@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import (REPO, Parser, commit_of, environment, positive_int, run_in_tree, smollm2_gguf, worktree,
-                               write_json)
+from benchmarks.common import (REPO, Parser, check_json, commit_of, environment, positive_int, run_in_tree,
+                               smollm2_gguf, worktree, write_json)
 
 SETS = ("nq", "fever", "obqa", "arc_easy", "wow", "asqa")
 
@@ -89,8 +89,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--demos", type=int, default=1, help="construct.demos_per_cluster (paper: 5)")
     parser.add_argument("--batch", type=positive_int, default=16, help="generate and score batch rows")
     args = parser.parse_args(argv)
-    if not Path(args.json).parent.is_dir():
-        parser.error(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    check_json(parser, args.json)
     model = smollm2_gguf(parser)
     baseline = commit_of(parser, args.baseline)
     sys.path.insert(0, str(REPO / "examples"))

@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.common import (REPO, Parser, commit_of, environment, median, positive_int, run_in_tree, smollm2_gguf,
-                               worktree, write_json)
+from benchmarks.common import (REPO, Parser, check_json, commit_of, environment, median, positive_int, run_in_tree,
+                               smollm2_gguf, worktree, write_json)
 
 SETS = ("popqa", "triviaqa", "pubhealth", "arc_challenge")
 
@@ -76,8 +76,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new", type=positive_int, default=24)
     parser.add_argument("--repeats", type=positive_int, default=2)
     args = parser.parse_args(argv)
-    if not Path(args.json).parent.is_dir():
-        parser.error(f"--json {args.json}: directory {Path(args.json).parent} does not exist")
+    check_json(parser, args.json)
     model = smollm2_gguf(parser)
     baseline = commit_of(parser, args.baseline)
     spec = {"model": model, "questions": questions(args.questions), "samples": args.samples,

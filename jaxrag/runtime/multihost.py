@@ -299,26 +299,23 @@ def agree_at_start(config: dict, files: dict[str, str], workdir: Path) -> None:
 
 
 def leader_check(name: str, check: Callable[[], None]) -> None:
-    """`check()` on process 0 alone; every process then raises the `JaxragError` it raised (the
-    same line on every host), or goes on. For checks whose verdict is the same on every process of
-    a run (identical hosts: what the launchers start), so that the others do not repeat its work;
-    they wait for it as long as a barrier does (a lost process 0 is the watchdog's to report)."""
+    """`check()` on process 0 alone, for a verdict every process of a run shares (alike hosts);
+    every process then raises the `JaxragError` it raised, or goes on. The others wait for it as
+    long as a barrier does (a lost process 0 is the watchdog's to report)."""
     if not is_multiprocess():
-        check()
-        return
+        return check()
     client, key = _client().client, f"{_PREFIX}/check/{name}"
     if is_leader():
         try:
             check()
+            verdict = "ok"
         except JaxragError as e:
-            client.key_value_set(key, f"!{e}")
-            _tell("finished")  # every process refuses alike: no watchdog reports it as a peer's loss
-            raise
-        client.key_value_set(key, "ok")
-        return
-    verdict = client.blocking_key_value_get(key, BARRIER_TIMEOUT_MS)
+            verdict = f"!{e}"
+        client.key_value_set(key, verdict)
+    else:
+        verdict = client.blocking_key_value_get(key, BARRIER_TIMEOUT_MS)
     if verdict.startswith("!"):
-        _tell("finished")
+        _tell("finished")  # every process refuses alike: no watchdog reports it as a peer's loss
         raise JaxragError(verdict[1:])
 
 
