@@ -1,20 +1,28 @@
 """Serving SR-RAG under open-loop load: `python -m jaxrag.serve` against static batches of `SRRAG.ask`.
 
-    python -m benchmarks.serve --json OUT [--export DIR] [--slots 8] [--requests 64] [--fractions 0.35,0.7,1,1.5]
+    python -m benchmarks.serve --json OUT [--export DIR [--questions FILE]] [--max-tokens LO,HI] [--slots 8]
+        [--requests 64] [--fractions 0.35,0.7,1,1.5]
 
 Requests arrive as a Poisson process (open loop: arrivals never wait for answers), each a
-distinct question. Three systems answer the same arrivals:
+distinct question with its own answer budget: `max_tokens` drawn uniformly from LO..HI (default
+1..the export's `max_answer_tokens`), as vLLM's serving benchmark draws output lengths, so that
+requests end at different steps as real traffic's do. `--questions` reads them from a JSONL file
+with a "question" per line (FlashRAG's format: a run's world files, W/world/datasets/*/test.jsonl,
+for its export W/export); by default they are made up over the tiny corpus. Three systems answer
+the same arrivals:
 
     static     `SRRAG.ask` in this process, in static batches of up to `slots` questions: whenever
                it is idle it takes the requests that have arrived (the rest queue), answers them
-               in one batch and returns all of them together (no streaming: TTFT = latency)
+               in one batch (each row to its own max_tokens, the batch until its last row ends)
+               and returns all of them together (no streaming: TTFT = latency)
     server     `python -m jaxrag.serve EXPORT --slots N` on 127.0.0.1, streamed chat completions
     retrieval  the same server with every request forced to `<Wiki>` (retrieval always on)
 
 First each system's saturation throughput is measured with every request arriving at once; then
 the rates are fractions of static batching's saturation rate. Per run: throughput (answers/s
 from the first arrival to the last answer), p50/p99 latency and TTFT (s), and the busy-slot
-fraction (time-averaged share of the slots holding a request). Goals on a CPU (issue 71):
+fraction (time-averaged share of the slots holding a request); for the server, from its
+`/metrics`, device calls per generated token and the host's mean wait per call of decode steps. Goals on a CPU (issue 71):
 saturation throughput >= 1.5x static, and p99 latency at 0.7x static's saturation rate <= 0.5x
 static's. Without --export it builds `tiny_export` (random weights; about half the questions
 route to each source) in a temporary directory. Compilation is excluded: the server compiles
@@ -166,7 +174,7 @@ def summary(arrived: np.ndarray, first: np.ndarray, done: np.ndarray, busy: floa
             "busy_fraction": round(busy, 3)}
 
 
-def run_static(system: SRRAG, questions: list[str], times: np.ndarray, slots: int) -> dict:
+def run_static(system: SRRAG, questions: list[str], budgets: list[int], times: np.ndarray, slots: int) -> dict:
     """Static batching: when idle, answer every arrived request (up to `slots`) in one `ask`. A
     batch whose row count and length buckets are new compiles its programs inside `ask` (seconds
     on a CPU), which static serving pays once per shape, not per request: a run that compiled
@@ -174,13 +182,13 @@ def run_static(system: SRRAG, questions: list[str], times: np.ndarray, slots: in
     compile events it had (`compiles`: 0 unless every try met a new shape)."""
     for _ in range(3):
         before = compile_events()
-        result = _static_once(system, questions, times, slots)
+        result = _static_once(system, questions, budgets, times, slots)
         if compile_events() == before:
             break
     return {**result, "compiles": compile_events() - before}
 
 
-def _static_once(system: SRRAG, questions: list[str], times: np.ndarray, slots: int) -> dict:
+def _static_once(system: SRRAG, questions: list[str], budgets: list[int], times: np.ndarray, slots: int) -> dict:
     pending, done, busy = list(range(len(questions))), np.zeros(len(questions)), 0.0
     start = time.perf_counter()
     while pending:
@@ -189,7 +197,7 @@ def _static_once(system: SRRAG, questions: list[str], times: np.ndarray, slots: 
             time.sleep(times[pending[0]] - now)
             now = time.perf_counter() - start
         batch = [i for i in pending if times[i] <= now][:slots]
-        system.ask([questions[i] for i in batch])
+        system.ask([questions[i] for i in batch], [budgets[i] for i in batch])
         end = time.perf_counter() - start
         busy += (end - now) * len(batch) / slots
         done[batch] = end
@@ -197,7 +205,8 @@ def _static_once(system: SRRAG, questions: list[str], times: np.ndarray, slots: 
     return summary(times, done, done, busy / float(done.max()))
 
 
-async def _serve_load(url: str, questions: list[str], times: np.ndarray, source: str | None) -> tuple:
+async def _serve_load(url: str, questions: list[str], budgets: list[int], times: np.ndarray,
+                      source: str | None) -> tuple:
     import httpx  # the benchmark's client, as the tests'
 
     first, done = np.zeros(len(questions)), np.zeros(len(questions))
@@ -206,7 +215,7 @@ async def _serve_load(url: str, questions: list[str], times: np.ndarray, source:
 
     async def one(client, i):
         await asyncio.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
-        body = {"messages": [{"role": "user", "content": questions[i]}], "stream": True,
+        body = {"messages": [{"role": "user", "content": questions[i]}], "stream": True, "max_tokens": budgets[i],
                 **({"source": source} if source else {})}
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -229,9 +238,29 @@ async def _serve_load(url: str, questions: list[str], times: np.ndarray, source:
     return first, done, float(np.mean(samples)) if samples else 0.0
 
 
-def run_server(url: str, questions: list[str], times: np.ndarray, source: str | None = None) -> dict:
-    first, done, busy = asyncio.run(_serve_load(url, questions, times, source))
-    return summary(times, first, done, busy)
+def engine_counts(url: str) -> dict[str, float]:
+    """The server's counters this benchmark reads: device calls, tokens generated, and the host's
+    wait on calls of decode steps (their sum and count)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in ("srrag_device_calls_total", "srrag_tokens_total", "srrag_step_seconds_sum",
+                               "srrag_step_seconds_count"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def run_server(url: str, questions: list[str], budgets: list[int], times: np.ndarray,
+               source: str | None = None) -> dict:
+    before = engine_counts(url)
+    first, done, busy = asyncio.run(_serve_load(url, questions, budgets, times, source))
+    d = {k: v - before.get(k, 0.0) for k, v in engine_counts(url).items()}
+    return {**summary(times, first, done, busy),
+            "device_calls_per_token": round(d["srrag_device_calls_total"] / max(d["srrag_tokens_total"], 1), 4),
+            "host_wait_per_step_ms": round(1000 * d["srrag_step_seconds_sum"] / max(d["srrag_step_seconds_count"], 1), 3)}
 
 
 def start_server(export: Path, slots: int, queue: int, question_tokens: int) -> tuple[subprocess.Popen, str]:
@@ -264,6 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--export", default=None, help="an SR-RAG export (default: --model's, built here)")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                         help="the export built without --export: tiny_export or smollm2_export")
+    parser.add_argument("--questions", nargs="+", default=None, metavar="FILE",
+                        help='JSONL files with a "question" per line (default: made up over the tiny corpus)')
+    parser.add_argument("--max-tokens", default=None, metavar="LO,HI",
+                        help="each request's max_tokens, uniform over LO..HI (default 1..the export's max_answer_tokens)")
     parser.add_argument("--max-question-tokens", type=positive_int, default=64, help="the server's flag")
     parser.add_argument("--slots", type=positive_int, default=8)
     parser.add_argument("--requests", type=positive_int, default=64, help="requests per run")
@@ -279,16 +312,54 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--fractions {args.fractions!r}: expected numbers separated by commas")
     if not fractions or min(fractions) <= 0:
         parser.error(f"--fractions {args.fractions!r}: expected positive numbers")
+    if args.max_tokens is not None:
+        text = args.max_tokens
+        try:
+            args.max_tokens = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            parser.error(f"--max-tokens {text}: expected two integers LO,HI")
+        if len(args.max_tokens) != 2 or not 1 <= args.max_tokens[0] <= args.max_tokens[1]:
+            parser.error(f"--max-tokens {text}: expected two integers 1 <= LO <= HI")
+    args.questions_file = args.questions
+    if args.questions is not None:
+        try:
+            args.questions = read_questions([Path(p) for p in args.questions], args.requests, args.seed + 100)
+        except (OSError, ValueError) as e:
+            parser.error(f"--questions: {e}")
     with tempfile.TemporaryDirectory(prefix="jaxrag-serve-bench-") as tmp:
         build = {"tiny": tiny_export, "smollm2": smollm2_export}[args.model]
         export = Path(args.export) if args.export else build(Path(tmp))
         return measure(args, export, fractions)
 
 
+def read_questions(paths: list[Path], n: int, seed: int) -> list[str]:
+    """n distinct questions drawn (seeded) from JSONL files' "question" fields."""
+    questions = []
+    for path in paths:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    question = json.loads(line)["question"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f'{path} line {number} is not a JSON object with a "question"') from None
+                questions.append(str(question))
+    questions = list(dict.fromkeys(questions))
+    if len(questions) < n:
+        raise ValueError(f"{len(questions)} distinct questions in {len(paths)} file(s), fewer than --requests {n}")
+    return random.Random(seed).sample(questions, n)
+
+
 def measure(args, export: Path, fractions: list[float]) -> dict:
     env = environment()
-    questions = tiny_questions(args.requests, args.seed + 100)
+    questions = args.questions or tiny_questions(args.requests, args.seed + 100)
     system = SRRAG.load(export)
+    limit = system.route_cfg.max_answer_tokens
+    low, high = args.max_tokens or (1, limit)
+    if high > limit:
+        raise SystemExit(f"python -m benchmarks.serve: error: --max-tokens {low},{high}: the export answers at most "
+                         f"{limit} tokens (its max_answer_tokens)")
+    draw = random.Random(args.seed + 200)
+    budgets = [draw.randint(low, high) for _ in questions]
     for start in range(0, len(questions), args.slots):  # static batching's programs, compiled first
         system.ask(questions[start:start + args.slots])
     for n in sorted({1 << i for i in range(args.slots.bit_length())} - {args.slots}):
@@ -297,17 +368,17 @@ def measure(args, export: Path, fractions: list[float]) -> dict:
     rng = random.Random(args.seed)
     try:
         at_once = arrivals(len(questions), float("inf"), rng)
-        saturation = {"static": run_static(system, questions, at_once, args.slots),
-                      "server": run_server(url, questions, at_once),
-                      "retrieval": run_server(url, questions, at_once, "wiki")}
+        saturation = {"static": run_static(system, questions, budgets, at_once, args.slots),
+                      "server": run_server(url, questions, budgets, at_once),
+                      "retrieval": run_server(url, questions, budgets, at_once, "wiki")}
         rate = saturation["static"]["throughput"]
         runs = []
         for f in fractions:
             times = arrivals(len(questions), f * rate, rng)
             runs.append({"fraction": f, "rate": round(f * rate, 3),
-                         "static": run_static(system, questions, times, args.slots),
-                         "server": run_server(url, questions, times),
-                         "retrieval": run_server(url, questions, times, "wiki")})
+                         "static": run_static(system, questions, budgets, times, args.slots),
+                         "server": run_server(url, questions, budgets, times),
+                         "retrieval": run_server(url, questions, budgets, times, "wiki")})
     finally:
         proc.terminate()
         proc.wait()
@@ -316,7 +387,10 @@ def measure(args, export: Path, fractions: list[float]) -> dict:
              "p99_ratio_at_0.7": round(at70["server"]["p99_s"] / at70["static"]["p99_s"], 3)}
     goals["met"] = goals["saturation_ratio"] >= 1.5 and goals["p99_ratio_at_0.7"] <= 0.5
     result = {"model": args.model if not args.export else str(export), "slots": args.slots,
-              "requests": len(questions), "tau": system.tau, "environment": env, "saturation": saturation,
+              "requests": len(questions), "tau": system.tau, "environment": env,
+              "workload": {"questions": args.questions_file or "tiny_questions",
+                           "max_tokens": {"distribution": "uniform", "low": low, "high": high}},
+              "saturation": saturation,
               "runs": runs, "goals": goals}
     write_json(args.json, result)
     return result

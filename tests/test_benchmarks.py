@@ -89,6 +89,8 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
                  ["benchmarks.retrieval", "--n", "0", "--json", str(tmp_path / "x.json")],
                  ["benchmarks.fit", "--config", "configs/qwen.py", "--json", str(tmp_path / "no" / "x.json")],
                  ["benchmarks.serve", "--json", str(tmp_path / "x.json"), "--fractions", "0.7,fast"],
+                 ["benchmarks.serve", "--json", str(tmp_path / "x.json"), "--max-tokens", "9,2"],
+                 ["benchmarks.serve", "--json", str(tmp_path / "x.json"), "--questions", str(tmp_path / "none.jsonl")],
                  ["benchmarks.eval", "--json", str(tmp_path / "no" / "x.json")],
                  ["benchmarks.construct", "--json", str(tmp_path / "x.json"), "--baseline", "no-such-commit"],
                  ["benchmarks.eval", "--json", str(tmp_path / "x.json"), "--baseline", "no-such-commit"]):

@@ -70,6 +70,20 @@ def test_batched_rows_equal_separate_runs(model, datastore):
         assert r.knowledge_truncated == (r.source == "self")  # 6 tokens never reach <EOK> here
 
 
+def test_each_row_answers_to_its_own_max_tokens(model, datastore):
+    """Per-question budgets (an OpenAI request's max_tokens): a row stops at its own, greedy, so its
+    answer begins the unbudgeted answer, and a budget out of range is refused."""
+    policy = srrag_policy(datastore, tau=0.0)
+    full = route(model, QUESTIONS, policy, retrieve, CFG)
+    budgets = [1, 2, 3, CFG.max_answer_tokens]
+    cut = route(model, QUESTIONS, policy, retrieve, CFG, max_tokens=budgets)
+    for f, c in zip(full, cut):
+        assert (c.source, c.knowledge) == (f.source, f.knowledge) and f.answer.startswith(c.answer)
+    assert cut[-1].answer == full[-1].answer and len(cut[0].answer) < len(full[0].answer)
+    with pytest.raises(JaxragError, match="max_tokens needs one budget per question"):
+        route(model, QUESTIONS, policy, retrieve, CFG, max_tokens=[CFG.max_answer_tokens + 1, 1, 1, 1])
+
+
 @contextlib.contextmanager
 def decoder_traces():
     """The decoder programs (`extend`, `decode`) traced for a new shape inside the block, in

@@ -106,6 +106,11 @@ def shared_steps(url: str) -> np.ndarray:
     return np.array([calls, calls - alone, metric(url, "srrag_step_rows_sum")])
 
 
+def device_calls(url: str) -> np.ndarray:
+    """The engine's device calls so far: question prefills, pool entries, calls of decode steps."""
+    return np.array([metric(url, f'srrag_device_calls_total{{call="{call}"}}') for call in ("admit", "enter", "steps")])
+
+
 def assert_same_route(trace: dict, answer: str, alone, sources) -> None:
     assert (trace["source"], trace["knowledge"]["text"], answer) == (alone.source, alone.knowledge, alone.answer)
     assert trace["knowledge"]["truncated"] == alone.knowledge_truncated
@@ -118,7 +123,7 @@ def test_concurrent_answers_equal_each_question_alone(url, reference):
     `SRRAG.ask([q])`'s for that question alone, each question is answered exactly once, and the
     requests shared the pool's decode steps (an engine serving one at a time advances one row per call)."""
     system, alone = reference
-    before = shared_steps(url)
+    before, calls_before = shared_steps(url), device_calls(url)
     rng = random.Random(5)
     order = rng.sample(QUESTIONS, len(QUESTIONS))
     delays = np.cumsum([rng.expovariate(40.0) for _ in order])  # Poisson arrivals, 40/s
@@ -154,6 +159,10 @@ def test_concurrent_answers_equal_each_question_alone(url, reference):
     calls, shared, rows = shared_steps(url) - before
     print(f"decode calls {calls:.0f}, shared by several requests {shared:.0f}, requests per call {rows / calls:.2f}")
     assert shared >= calls / 4 and rows / calls >= 1.5, (calls, shared, rows)  # one at a time: 0 and 1.0
+    admit, enter, steps = device_calls(url) - calls_before
+    # every call of steps dispatched was read; each question is admitted and enters once, alone or
+    # sharing the call with others
+    assert steps == calls and 0 < admit <= len(QUESTIONS) and 0 < enter <= len(QUESTIONS), (admit, enter, steps)
 
 
 def test_batch_route_and_openai_client(url, reference, export):

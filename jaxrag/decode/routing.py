@@ -96,13 +96,20 @@ def answer_text(tok, tokens: list[int], eos: list[int]) -> str:
 
 
 def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retrieve,
-          cfg: RouteConfig, rng: jax.Array | None = None, rows: int | None = None) -> list[Routed]:
+          cfg: RouteConfig, rng: jax.Array | None = None, rows: int | None = None,
+          max_tokens: Sequence[int] | None = None) -> list[Routed]:
     """Routes, verbalizes or retrieves, and answers a batch of questions in one pass.
 
     Rows are split over the batch axes of the decoder's mesh (`sampler.placement`).
-    `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`)."""
+    `rows`: the batch size of the caller's loop, which every batch is padded to (`batch_rows`).
+    `max_tokens`: each question's answer budget (1 to `cfg.max_answer_tokens`, its default), as an
+    OpenAI request's `max_tokens`: the batch decodes until every row has ended, each at its own."""
     if not questions:
         raise JaxragError("route: empty batch of questions")
+    if max_tokens is not None and (len(max_tokens) != len(questions)
+                                   or not all(1 <= int(m) <= cfg.max_answer_tokens for m in max_tokens)):
+        raise JaxragError(f"route: max_tokens needs one budget per question ({len(questions)}), each between 1 and "
+                          f"max_answer_tokens {cfg.max_answer_tokens}; got {list(max_tokens)}")
     if not model.sources:
         raise JaxragError("route: the model has no SR-RAG tokens (convert it with --sources first)")
     tok, dec, sources = model.tokenizer, model.decoder, tuple(model.sources)
@@ -169,7 +176,7 @@ def route(model: Model, questions: Sequence[str], policy: Policy, retrieve: Retr
         ids, mask = left_pad([c for c, _ in chunks], min(klen, bucket(max(len(c) for c, _ in chunks))), batch)
         st, _ = extend(dec, state, on_mesh(ids, mesh), on_mesh(mask, mesh))
         budget = np.zeros(batch, np.int32)
-        budget[:n] = cfg.max_answer_tokens
+        budget[:n] = cfg.max_answer_tokens if max_tokens is None else max_tokens
         return decode(dec, st, on_mesh(stop_matrix([eos] * n, batch), mesh), on_mesh(budget, mesh),
                       jax.random.fold_in(rng, 1), on_mesh(np.arange(batch, dtype=np.uint32), mesh), max_new=alen,
                       sampling=cfg.sampling)

@@ -85,11 +85,12 @@ class SRRAG:
                    tau=float(spec["tau"] if tau is None else tau), k=int(spec["k"] if k is None else k),
                    route_cfg=RouteConfig(**spec["route"]), n_passages=int(spec["n_passages"]))
 
-    def ask(self, questions: Sequence[str]) -> list[Routed]:
-        """Routes, verbalizes or retrieves, and answers the questions (one batch, one pass)."""
+    def ask(self, questions: Sequence[str], max_tokens: Sequence[int] | None = None) -> list[Routed]:
+        """Routes, verbalizes or retrieves, and answers the questions (one batch, one pass);
+        `max_tokens`, each question's answer budget (default: the export's `max_answer_tokens`)."""
         policy = srrag_policy(datastore_neighbours(self.datastore, self.k), self.tau)
         return route(self.model, list(questions), policy, lambda qs: self.retriever.retrieve_texts(qs, self.n_passages),
-                     self.route_cfg)
+                     self.route_cfg, max_tokens=max_tokens)
 
 
 def describe(r: Routed, sources: Sequence[str]) -> str:

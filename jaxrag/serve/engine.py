@@ -269,6 +269,7 @@ class Engine:
         to enter the pool, the others go to the retrieval worker."""
         start = time.perf_counter()
         logits, hidden = self.device.admit(self._row_indices(jobs, parking=True), [job.prompt for job in jobs])
+        self.metrics.calls.labels("admit").inc()
         p_src = source_probabilities(logits, self.src_ids)
         for i, job in enumerate(jobs):
             job.latency["queue"] = start - job.submitted
@@ -319,6 +320,7 @@ class Engine:
                               [self.src_ids[self.sources.index(j.source)] for j in jobs], [c for _, c in group], width,
                               [j.budget for j in jobs], [j.options.temperature for j in jobs],
                               [j.options.top_p for j in jobs], [j.serial for j in jobs])
+            self.metrics.calls.labels("enter").inc()
             for job in jobs:
                 self.parked[job.park], job.park = None, None  # its prompt is in the pool now
                 job.phase, job.tokens = ("verbalize" if width == 0 else "answer"), []
@@ -327,6 +329,7 @@ class Engine:
     def _dispatch(self):
         """One call of decode steps, dispatched (not waited for): its outputs and the jobs it runs."""
         live = [(slot, j) for slot, j in enumerate(self.rows) if j is not None and j.phase in ("verbalize", "answer")]
+        self.metrics.calls.labels("steps").inc()
         return (*self.device.dispatch(), live)
 
     def _read(self, tokens, kinds, live) -> None:

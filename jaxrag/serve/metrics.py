@@ -24,7 +24,11 @@ class Metrics:
         Gauge("srrag_tokens_per_second", f"tokens generated per second over the last {TOKENS_WINDOW_S:.0f} s",
               registry=r).set_function(self.tokens_per_second)
         self.tokens = Counter("srrag_tokens", "tokens generated (verbalizations and answers)", registry=r)
-        self.steps = Histogram("srrag_step_seconds", "one call of decode steps over the pool (until a row ends its phase)", buckets=BUCKETS, registry=r)
+        # the host's wait for a call of decode steps' tokens (the next call is already dispatched)
+        self.steps = Histogram("srrag_step_seconds", "the host's wait for the tokens of one call of decode steps",
+                               buckets=BUCKETS, registry=r)
+        self.calls = Counter("srrag_device_calls", "device calls: question prefills (admit), pool entries (enter), "
+                             "calls of decode steps (steps)", ["call"], registry=r)
         # how many requests shared each call of decode steps: 1 everywhere is an engine that serves one at a time
         self.step_rows = Histogram("srrag_step_rows", "requests advanced together by one call of decode steps",
                                    buckets=engine.row_buckets, registry=r)
@@ -35,6 +39,8 @@ class Metrics:
                                 ["when"], registry=r)
         for outcome in ("done", "cancelled", "error"):
             self.requests.labels(outcome)
+        for call in ("admit", "enter", "steps"):
+            self.calls.labels(call)
         self.when = "startup"
         self.counted = {"startup": 0, "serving": 0}
         self.recent: collections.deque[tuple[float, int]] = collections.deque()
