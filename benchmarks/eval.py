@@ -1,4 +1,5 @@
-"""SeaKR's decisions on SmolLM2-135M with real questions, this checkout against an earlier commit.
+"""Evaluation's costs, this checkout against an earlier commit: SeaKR's decisions on SmolLM2-135M
+with real questions, and the miniature pipeline's eval stage.
 
     python -m benchmarks.eval --json OUT [--baseline 12f28b1] [--questions 16] [--samples 5]
                               [--max-new 24] [--repeats 2]
@@ -14,12 +15,20 @@ on this checkout's `jaxrag`, and on `--baseline`'s, checked out in a temporary `
 once cold (compiling its programs), then `--repeats` times warm; seconds per question are the
 warm runs' median over the questions. Their sampled draws differ (per-row sampling keys came
 after 12f28b1), so the two uncertainties are reported, not compared.
+
+The eval stage: the miniature pipeline of the test suite (`tests/pipeline_fixtures.py`'s
+`mini_overrides` of `configs/qwen.py:tiny`, the same at 12f28b1 and since) run whole by
+`python -m jaxrag.train` in each tree, on 1 process x 4 CPU devices with the suite's XLA flags
+(`single_process_env`, the same for both trees); the stage's seconds as the run prints them, cold
+(its programs compiled in that run), then `--repeats` warm reruns of eval alone
+(`pipeline.rerun_from=eval`, its programs in the tree's compilation cache), their median kept.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.common import (REPO, Parser, check_json, commit_of, environment, median, positive_int, run_in_tree,
@@ -44,6 +53,39 @@ warm = [once() for _ in range(args["repeats"])]
 print("RESULT " + json.dumps({"jaxrag": jaxrag.__file__, "cold_s": cold, "warm_s": [s for s, _ in warm],
                               "uncertainty": warm[-1][1]}))
 """
+
+
+# The miniature pipeline in each tree's process (cwd = the tree): its eval stage's seconds.
+STAGE = r"""
+import json, os, re, subprocess, sys
+args = json.loads(sys.argv[1])
+sys.path.insert(0, "tests")
+from pipeline_fixtures import mini_overrides
+import jaxrag
+cmd = [sys.executable, "-m", "jaxrag.train", "--config", "configs/qwen.py:tiny", "--workdir", args["workdir"],
+       *(f"--config.{k}={v}" for k, v in mini_overrides().items())]
+def stage(*extra):
+    proc = subprocess.run([*cmd, *extra], env=dict(os.environ, XLA_FLAGS=args["xla_flags"]), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        sys.exit(proc.stderr[-3000:])
+    return float(re.search(r"eval: finished in (\d+)s", proc.stdout + proc.stderr)[1])
+cold = stage()
+warm = [stage("--config.pipeline.rerun_from=eval", "--config.pipeline.stop_after=eval") for _ in range(args["repeats"])]
+print("RESULT " + json.dumps({"jaxrag": jaxrag.__file__, "cold_s": cold, "warm_s": warm}))
+"""
+
+
+def eval_stage(tree: Path, repeats: int) -> dict:
+    """The miniature pipeline's eval stage in `tree` (its own workdir and compilation cache)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from pipeline_fixtures import single_process_env
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = {"workdir": str(Path(tmp) / "run"), "xla_flags": single_process_env()["XLA_FLAGS"], "repeats": repeats}
+        result = run_in_tree(tree, STAGE, args, "the miniature pipeline")
+    result["warm_s_median"] = median(result["warm_s"])
+    return result
 
 
 def questions(n: int) -> list[str]:
@@ -86,8 +128,12 @@ def main(argv=None) -> dict:
               "repeats": args.repeats, "baseline_commit": baseline}
     with worktree(baseline) as tree:
         result["seakr"] = {"this": measure(REPO, spec), "baseline": measure(tree, spec)}
+        result["eval_stage"] = {"this": eval_stage(REPO, args.repeats), "baseline": eval_stage(tree, args.repeats)}
     s = result["seakr"]
     result["seakr"]["speedup_warm"] = s["baseline"]["warm_s_per_question"] / s["this"]["warm_s_per_question"]
+    e = result["eval_stage"]
+    e["speedup_warm"] = e["baseline"]["warm_s_median"] / e["this"]["warm_s_median"]
+    e["speedup_cold"] = e["baseline"]["cold_s"] / e["this"]["cold_s"]
     write_json(args.json, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("environment", "questions")}, indent=1))
     return result
