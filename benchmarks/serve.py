@@ -362,10 +362,11 @@ def measure(args, export: Path, fractions: list[float]) -> dict:
                          f"{limit} tokens (its max_answer_tokens)")
     draw = random.Random(args.seed + 200)
     budgets = [draw.randint(low, high) for _ in questions]
-    for start in range(0, len(questions), args.slots):  # static batching's programs, compiled first
-        system.ask(questions[start:start + args.slots])
-    for n in sorted({1 << i for i in range(args.slots.bit_length())} - {args.slots}):
-        system.ask(questions[:n])
+    # Static batching's programs, compiled first: every question in batches of each padded row count
+    # (`ask` pads a batch to a power of two), so each prompt and knowledge length meets each.
+    for n in sorted({min(1 << i, args.slots) for i in range(args.slots.bit_length() + 1)}):
+        for start in range(0, len(questions), n):
+            system.ask(questions[start:start + n], budgets[start:start + n])
     proc, url = start_server(export, args.slots, args.requests, args.max_question_tokens)
     rng = random.Random(args.seed)
     try:
