@@ -1,12 +1,12 @@
 """Serving SR-RAG under open-loop load: `python -m jaxrag.serve` against static batches of `SRRAG.ask`.
 
-    python -m benchmarks.serve --json OUT [--export DIR [--questions FILE]] [--max-tokens LO,HI] [--slots 8]
-        [--requests 64] [--fractions 0.35,0.7,1,1.5]
+    python -m benchmarks.serve --json OUT [--export DIR [--questions FILE ...]] [--max-tokens LO,HI]
+        [--slots 8] [--requests 64] [--fractions 0.35,0.7,1,1.5]
 
 Requests arrive as a Poisson process (open loop: arrivals never wait for answers), each a
 distinct question with its own answer budget: `max_tokens` drawn uniformly from LO..HI (default
 1..the export's `max_answer_tokens`), as vLLM's serving benchmark draws output lengths, so that
-requests end at different steps as real traffic's do. `--questions` reads them from a JSONL file
+requests end at different steps as real traffic's do. `--questions` reads them from JSONL files
 with a "question" per line (FlashRAG's format: a run's world files, W/world/datasets/*/test.jsonl,
 for its export W/export); by default they are made up over the tiny corpus. Three systems answer
 the same arrivals:
@@ -22,11 +22,12 @@ First each system's saturation throughput is measured with every request arrivin
 the rates are fractions of static batching's saturation rate. Per run: throughput (answers/s
 from the first arrival to the last answer), p50/p99 latency and TTFT (s), and the busy-slot
 fraction (time-averaged share of the slots holding a request); for the server, from its
-`/metrics`, device calls per generated token and the host's mean wait per call of decode steps. Goals on a CPU (issue 71):
-saturation throughput >= 1.5x static, and p99 latency at 0.7x static's saturation rate <= 0.5x
-static's. Without --export it builds `tiny_export` (random weights; about half the questions
-route to each source) in a temporary directory. Compilation is excluded: the server compiles
-before its port opens, and static batching runs every question once before it is measured.
+`/metrics`, device calls per generated token and the host's mean wait per call of decode steps.
+Goals on a CPU (issues 71 and 80): saturation throughput >= 1.5x static, and p99 latency at 0.7x
+static's saturation rate <= 0.5x static's. Without --export it builds `tiny_export` (random
+weights; about half the questions route to each source) in a temporary directory. Compilation is
+excluded: the server compiles before its port opens, and static batching answers every question in
+batches of each row count before it is measured.
 """
 
 from __future__ import annotations
@@ -262,7 +263,8 @@ def run_server(url: str, questions: list[str], budgets: list[int], times: np.nda
     d = {k: v - before.get(k, 0.0) for k, v in engine_counts(url).items()}
     return {**summary(times, first, done, busy),
             "device_calls_per_token": round(d["srrag_device_calls_total"] / max(d["srrag_tokens_total"], 1), 4),
-            "host_wait_per_step_ms": round(1000 * d["srrag_step_seconds_sum"] / max(d["srrag_step_seconds_count"], 1), 3)}
+            "host_wait_per_step_ms": round(1000 * d["srrag_step_seconds_sum"]
+                                           / max(d["srrag_step_seconds_count"], 1), 3)}
 
 
 def start_server(export: Path, slots: int, queue: int, question_tokens: int) -> tuple[subprocess.Popen, str]:
@@ -298,7 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--questions", nargs="+", default=None, metavar="FILE",
                         help='JSONL files with a "question" per line (default: made up over the tiny corpus)')
     parser.add_argument("--max-tokens", default=None, metavar="LO,HI",
-                        help="each request's max_tokens, uniform over LO..HI (default 1..the export's max_answer_tokens)")
+                        help="each request's max_tokens, uniform over LO..HI (default: 1..the export's "
+                             "max_answer_tokens)")
     parser.add_argument("--max-question-tokens", type=positive_int, default=64, help="the server's flag")
     parser.add_argument("--slots", type=positive_int, default=8)
     parser.add_argument("--requests", type=positive_int, default=64, help="requests per run")
