@@ -160,9 +160,10 @@ def test_concurrent_answers_equal_each_question_alone(url, reference):
     print(f"decode calls {calls:.0f}, shared by several requests {shared:.0f}, requests per call {rows / calls:.2f}")
     assert shared >= calls / 4 and rows / calls >= 1.5, (calls, shared, rows)  # one at a time: 0 and 1.0
     admit, enter, steps = device_calls(url) - calls_before
-    # every call of steps dispatched was read; each question is admitted and enters once, alone or
-    # sharing the call with others
-    assert steps == calls and 0 < admit <= len(QUESTIONS) and 0 < enter <= len(QUESTIONS), (admit, enter, steps)
+    # every call of steps dispatched was read (the one dispatched after the last answer's call may
+    # still be in flight); each question is admitted and enters once, alone or sharing the call
+    assert calls <= steps <= calls + 1 and 0 < admit <= len(QUESTIONS) and 0 < enter <= len(QUESTIONS), \
+        (admit, enter, steps, calls)
 
 
 def test_batch_route_and_openai_client(url, reference, export):
