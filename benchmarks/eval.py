@@ -76,13 +76,10 @@ print("RESULT " + json.dumps({"jaxrag": jaxrag.__file__, "cold_s": cold, "warm_s
 """
 
 
-def eval_stage(tree: Path, repeats: int) -> dict:
+def eval_stage(tree: Path, repeats: int, xla_flags: str) -> dict:
     """The miniature pipeline's eval stage in `tree` (its own workdir and compilation cache)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from pipeline_fixtures import single_process_env
-
     with tempfile.TemporaryDirectory() as tmp:
-        args = {"workdir": str(Path(tmp) / "run"), "xla_flags": single_process_env()["XLA_FLAGS"], "repeats": repeats}
+        args = {"workdir": str(Path(tmp) / "run"), "xla_flags": xla_flags, "repeats": repeats}
         result = run_in_tree(tree, STAGE, args, "the miniature pipeline")
     result["warm_s_median"] = median(result["warm_s"])
     return result
@@ -128,7 +125,12 @@ def main(argv=None) -> dict:
               "repeats": args.repeats, "baseline_commit": baseline}
     with worktree(baseline) as tree:
         result["seakr"] = {"this": measure(REPO, spec), "baseline": measure(tree, spec)}
-        result["eval_stage"] = {"this": eval_stage(REPO, args.repeats), "baseline": eval_stage(tree, args.repeats)}
+        sys.path.insert(0, str(REPO / "tests"))
+        from pipeline_fixtures import single_process_env  # the suite's devices and XLA flags, for both trees
+
+        flags = single_process_env()["XLA_FLAGS"]
+        result["eval_stage"] = {"this": eval_stage(REPO, args.repeats, flags),
+                                "baseline": eval_stage(tree, args.repeats, flags)}
     s = result["seakr"]
     result["seakr"]["speedup_warm"] = s["baseline"]["warm_s_per_question"] / s["this"]["warm_s_per_question"]
     e = result["eval_stage"]

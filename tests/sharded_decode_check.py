@@ -115,7 +115,7 @@ if __name__ == "__main__":
     import threading
     from pathlib import Path
 
-    from benchmarks.serve import tiny_export, tiny_questions
+    from benchmarks.serve_exports import tiny_export, tiny_questions
     from jaxrag.serve import SRRAG
     from jaxrag.serve.engine import Engine
     from jaxrag.serve.jobs import Job, Options

@@ -5,7 +5,7 @@ input, limits (413), a full queue (429; the HTTP app in this process), clients l
 and while waiting, a failed decode step, a failed or draining engine (503; in this process),
 nothing compiled while serving, SIGTERM, and exports refused at start.
 
-One server (4 slots) serves the whole module; its export is `benchmarks.serve.tiny_export`
+One server (4 slots) serves the whole module; its export is `benchmarks.serve_exports.tiny_export`
 (random weights, a MiniLM passage index, a datastore whose kNN sends about half the questions
 to each source)."""
 
@@ -27,7 +27,7 @@ import numpy as np
 import openai
 import pytest
 
-from benchmarks.serve import tiny_export, tiny_questions
+from benchmarks.serve_exports import tiny_export, tiny_questions
 
 REPO = Path(__file__).resolve().parent.parent
 SLOTS, QUEUE, QUESTION_TOKENS = 4, 80, 64
