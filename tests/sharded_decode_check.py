@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrag.decode import sampler, slots  # noqa: E402
+from jaxrag.decode import engine, sampler, slots  # noqa: E402
 from jaxrag.decode.sampler import generate, place_for_generation, shard_decoder  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -46,6 +46,11 @@ if __name__ == "__main__":
             got = generate(shard_decoder(decoder, mesh), PROMPTS, 10)
             assert got == want, (shape, got, want)
     print("sharded generation ok")
+    # The generation engine's pool (construct's GenRead), rows over the data axis, heads over tensor.
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    got = engine.generate(shard_decoder(for_inference(model).decoder, mesh), PROMPTS * 3, 10, slots=2)
+    assert got == want * 3, got
+    print("sharded engine ok")
 
     # Routed inference: Self and Wiki rows in one batch, split over the mesh.
     routed_model = add_special_tokens(model)

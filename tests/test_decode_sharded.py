@@ -1,5 +1,5 @@
-"""Sharded decoding on 8 fake CPU devices equals single-device decoding, through the server's
-engine too (subprocess, because the device count is fixed when jax starts)."""
+"""Sharded decoding on 8 fake CPU devices equals single-device decoding, through the generation
+engine and the server's too (subprocess, because the device count is fixed when jax starts)."""
 
 import os
 import subprocess
@@ -14,5 +14,6 @@ def test_greedy_generation_is_the_same_on_every_mesh(tiny_hf):
                           env={**os.environ, "PYTHONPATH": f"{script.parent}{os.pathsep}{script.parent.parent}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sharded generation ok" in proc.stdout and "sharded routing ok" in proc.stdout
+    assert "sharded engine ok" in proc.stdout
     assert "generation placement ok" in proc.stdout and "slot pool placement ok" in proc.stdout
     assert "served placement ok" in proc.stdout

@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 
 from jaxrag.runtime import host_memory
 from jaxrag.data.schema import write_jsonl
-from jaxrag.decode.sampler import SamplingParams, generate
+from jaxrag.decode import engine
+from jaxrag.decode.sampler import SamplingParams
 from jaxrag.errors import JaxragError
 from jaxrag.prompts import base_prompt_ids, genread_fewshot_text
 
@@ -74,11 +75,10 @@ def verbalize(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, s
               redraws: int = EMPTY_REDRAWS) -> list[Verbalization]:
     """Generates one document per prompt (token ids), stopping at EOS or after `max_new_tokens`.
 
-    Prompts are sorted by length and generated `batch_size` at a time, prompt i sampling with
-    its own key (`sampling.row_keys(rng, i)`), so the result is a pure function of the prompts and
-    rng, whatever the batch or device a prompt runs in. A short last batch is padded (outputs
-    dropped): every batch has the same rows, so a run compiles one program per prompt-length
-    bucket.
+    Prompts run through the generation engine's pool of `batch_size` rows, shortest first, a
+    finished row replaced by the next prompt at once (`decode.engine.generate`); prompt i samples
+    with its own key (`sampling.row_keys(rng, i)`), so the result is a pure function of the
+    prompts and rng, whatever the rows or device a prompt runs in.
 
     A document that comes out empty (the first token was EOS) is drawn again with `redraw`
     sampling (default `sampling`; round 1 is greedy, so its own rule would repeat the empty text),
@@ -102,23 +102,21 @@ def redraw_sampling(params) -> SamplingParams:
 
 def _generate_documents(model, prompts, rows: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                         rng: jax.Array, batch_size: int) -> list[Verbalization]:
-    """`verbalize`'s one pass over `prompts[rows]` -> their documents, in `rows` order."""
+    """`verbalize`'s one pass over `prompts[rows]` -> their documents, in `rows` order: through the
+    generation engine's pool of `batch_size` rows (`decode.engine.generate`), each prompt keyed by
+    its index."""
     tok = model.tokenizer
     eos = tok.eos_token_id
     if eos is None:
         raise JaxragError("GenRead verbalization stops at EOS, but the tokenizer has no eos_token")
-    order = sorted(range(len(rows)), key=lambda r: (len(prompts[rows[r]]), rows[r]))
-    out: list[Verbalization | None] = [None] * len(rows)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
-        batch = [prompts[rows[r]] for r in chunk]
-        generated = generate(model.decoder, batch, max_new_tokens, [eos], sampling, rng, rows=batch_size,
-                             row_ids=[rows[r] for r in chunk])
-        for r, ids in zip(chunk, generated):
-            stopped = bool(ids) and ids[-1] == eos
-            text = tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True).strip()
-            out[r] = Verbalization(text, not stopped)
-    return out  # type: ignore[return-value]
+    generated = engine.generate(model.decoder, [prompts[r] for r in rows], max_new_tokens, [eos], sampling, rng,
+                                row_ids=list(rows), slots=batch_size)
+    out = []
+    for ids in generated:
+        stopped = bool(ids) and ids[-1] == eos
+        out.append(Verbalization(tok.decode(ids[:-1] if stopped else ids, skip_special_tokens=True).strip(),
+                                 not stopped))
+    return out
 
 
 def kmeans_clusters(embeddings: np.ndarray, k: int, seed: int) -> np.ndarray:

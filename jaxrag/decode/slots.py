@@ -18,6 +18,9 @@ sits in the ring (`models.masks.attention_mask_4d`), so a row reads what it woul
                                                      the ring ending at the head, its program set
     steps(decoder, pool, stop, ...)                  decode steps over every slot until a row
                                                      ends or a step count (rows `stop` idle)
+    steps(..., parking=, queue=Queue(...))           the same, an idle row taking the next prompt
+                                                     parked ahead before each step, on the device
+                                                     (`engine.generate`: no host between rows)
 
 A row's program runs on the device: a `<Self>` row samples its verbalization until `<EOK>`/EOS or
 its budget, is fed `<EOK> Answer:` (without `<EOK>` when it wrote one), then samples its answer;
@@ -123,17 +126,28 @@ def _fit_columns(state: DecodeState, width: int) -> DecodeState:
                           key_mask=fit(state.key_mask, 2))
 
 
-@partial(nnx.jit, static_argnames=("length", "hidden_layer"), donate_argnums=1)
-def admit(decoder: Decoder, parking: DecodeState, rows, ids, mask, length: int, hidden_layer: int):
+@partial(nnx.jit, static_argnames=("length", "hidden_layer", "chunk"), donate_argnums=1)
+def admit(decoder: Decoder, parking: DecodeState, rows, ids, mask, length: int, hidden_layer: int | None,
+          chunk: int | None = None):
     """Question prefills: row i of the left-padded ids/mask [R, t] is extended onto a fresh batch-1
     state of `length` cache columns (what `route` runs for that question alone) and parked in
-    parking row rows[i] (an index past the parking is dropped). Returns (parking, each row's
-    next-token logits [R, vocab], `hidden_layer`'s state at its last token [R, hidden])."""
-    fresh = init_state(decoder, 1, length)
-    new, hidden = jax.vmap(lambda i, m: _extend(decoder, fresh, i, m, hidden_layer))(ids[:, None], mask[:, None])
+    parking row rows[i] (an index past the parking is dropped); `chunk` columns per pass (None: the
+    whole prompt in one), as `sampler.generate` prefills a long prompt. Returns (parking, each
+    row's next-token logits [R, vocab], `hidden_layer`'s state at its last token [R, hidden], or
+    None without a layer)."""
+    fresh, width = init_state(decoder, 1, length), ids.shape[1]
+    step = chunk or width
+
+    def prefill(i, m):
+        state, hidden = fresh, None
+        for start in range(0, width, step):  # whole chunks, the last one maybe shorter
+            state, hidden = _extend(decoder, state, i[:, start:start + step], m[:, start:start + step], hidden_layer)
+        return state, hidden
+
+    new, hidden = jax.vmap(prefill)(ids[:, None], mask[:, None])
     new = _fit_columns(new, parking.key_mask.shape[-1])
     parking = jax.tree.map(lambda whole, x: whole.at[rows].set(x, mode="drop"), parking, new)
-    return parking, new.logits[:, 0], hidden[:, 0]
+    return parking, new.logits[:, 0], None if hidden is None else hidden[:, 0]
 
 
 @partial(nnx.jit, donate_argnums=1)
@@ -142,27 +156,69 @@ def enter(decoder: Decoder, pool: SlotPool, parking: DecodeState, rows, parked, 
     """Parking rows `parked` [R] enter the pool as rows `rows` [R]: each one's `source` token [R] and
     then its left-padded chunk ids/mask [R, w] (w may be 0: a `<Self>` row's knowledge is its
     own) are appended as `route` appends them alone, and the row is placed in the ring with its
-    last column just before the head. Its program: `stage` [R] (VERBAL or ANSWER), `budget` [R, 2]
+    last column just before the head. `source` None: a prompt's plain continuation (`engine.generate`),
+    which appends nothing and samples from its prompt's last logits. Its program: `stage` [R] (VERBAL or ANSWER), `budget` [R, 2]
     (verbalization, answer), `temperature`, `top_p` [R], `keys` [R, 2, words] (`stage_keys`).
     Indices past the pool or the parking are padding: they read a real row and are never written."""
     width = pool.state.key_mask.shape[-1]
     parked = _fit_columns(jax.tree.map(lambda x: jnp.take(x, parked, axis=0, mode="clip"), parking), width)
     extend = jax.vmap(lambda st, i, m: _extend(decoder, st, i, m)[0])
-    new = extend(parked, source[:, None, None], jnp.ones((source.shape[0], 1, 1), bool))
+    new = parked if source is None else extend(parked, source[:, None, None], jnp.ones((source.shape[0], 1, 1), bool))
     if ids.shape[1]:
         new = extend(new, ids[:, None], mask[:, None])
+    return _place(pool, new, rows, stage, budget, temperature, top_p, keys)
+
+
+def _place(pool: SlotPool, new: DecodeState, rows, stage, budget, temperature, top_p, keys) -> SlotPool:
+    """Stacked batch-1 states `new` (ring-wide) into pool rows `rows` [R] with their programs."""
     # Row r's column j goes to ring column (j + head - used) mod width: its last one ends at head - 1.
     shift = pool.state.slot - new.slot
     roll = jax.vmap(lambda x, s: jnp.roll(x, s, axis=-2 if x.ndim == 3 else -1))
     cache = tuple(LayerCache(roll(c.k, shift), roll(c.v, shift)) for c in new.cache)
     placed = DecodeState(cache, roll(new.key_mask[:, 0], shift), new.next_pos[:, 0], pool.state.slot,
                          new.logits[:, 0])
-    put = lambda whole, x: whole.at[rows].set(x, mode="drop")
+    put = lambda whole, x: whole.at[rows].set(x, mode="drop")  # noqa: E731
     state = jax.tree.map(put, pool.state._replace(slot=None), placed._replace(slot=None))._replace(slot=pool.state.slot)
     tail_len = jnp.iinfo(jnp.int32).max  # nothing to feed: the tail is in the chunk, or comes after <EOK>
     return SlotPool(state, put(pool.stage, stage), put(pool.count, jnp.zeros_like(stage)),
                     put(pool.fed, jnp.full_like(stage, tail_len)), put(pool.budget, budget),
                     put(pool.temperature, temperature), put(pool.top_p, top_p), put(pool.keys, keys))
+
+
+class Queue(NamedTuple):
+    """Prompts parked ahead (`admit`) that enter the pool on the device, in order, as rows free up
+    inside `steps`: entry c (a running count) sits at index c mod Q; entries next..end-1 wait.
+    Each entry: its parking row, nothing appended (as `enter` with no source), and its program."""
+    parked: jax.Array  # [Q] int32
+    stage: jax.Array  # [Q] int32
+    budget: jax.Array  # [Q, 2] int32
+    temperature: jax.Array  # [Q] float32
+    top_p: jax.Array  # [Q] float32
+    keys: jax.Array  # [Q, 2, key words] uint32
+    next: jax.Array  # () int32: the first entry still waiting
+    end: jax.Array  # () int32: one past the last entry
+
+
+def _refill(pool: SlotPool, parking: DecodeState, queue: Queue):
+    """Every idle row, in slot order, takes the queue's next entry while one waits. Returns (pool,
+    queue, the entry each row took [slots], -1 for none)."""
+    slots, size, width = pool.stage.shape[0], queue.parked.shape[0], pool.state.key_mask.shape[-1]
+
+    def one(s, carry):
+        pool, queue, took = carry
+
+        def take(carry):
+            pool, queue, took = carry
+            at = queue.next % size
+            row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, queue.parked[at], 1), parking)
+            pick = lambda x: jax.lax.dynamic_slice_in_dim(x, at, 1)  # noqa: E731
+            pool = _place(pool, _fit_columns(row, width), s[None], pick(queue.stage), pick(queue.budget),
+                          pick(queue.temperature), pick(queue.top_p), pick(queue.keys))
+            return pool, queue._replace(next=queue.next + 1), took.at[s].set(queue.next)
+
+        return jax.lax.cond((pool.stage[s] == IDLE) & (queue.next < queue.end), take, lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, slots, one, (pool, queue, jnp.full((slots,), -1, jnp.int32)))
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -208,24 +264,41 @@ def step(decoder: Decoder, pool: SlotPool, verbal_stops, answer_stops, tail):
 
 
 @partial(nnx.jit, static_argnames=("max_steps",), donate_argnums=1)
-def steps(decoder: Decoder, pool: SlotPool, stop, verbal_stops, answer_stops, tail, max_steps: int):
+def steps(decoder: Decoder, pool: SlotPool, stop, verbal_stops, answer_stops, tail, max_steps: int,
+          parking: DecodeState | None = None, queue: Queue | None = None):
     """`step`s in a `lax.while_loop` until a row's answer ends (its slot is free to take a new
     request), no row runs, or after `max_steps`; the rows where `stop` [slots] is true (cancelled
     requests) idle from the first. Returns (pool, tokens and kinds [slots, max_steps] (NO_TOKEN
-    and IDLE where a row did not run), steps run)."""
+    and IDLE where a row did not run), steps run).
+
+    With a `queue` of prompts waiting in `parking`, an idle row takes the next one before each
+    step (`_refill`), and the loop ends when a row's answer ends with none left to take its place;
+    it also returns (the queue, the entry each row took before each step [slots, max_steps], -1
+    for none)."""
     slots = pool.stage.shape[0]
     pool = pool._replace(stage=jnp.where(stop, IDLE, pool.stage))
+    none = jnp.full((slots,), -1, jnp.int32)
 
     def cond(carry):
-        n, pool, _, _, ended = carry
-        return (n < max_steps) & ~ended & jnp.any(pool.stage != IDLE)
+        n, pool, _, _, ended, queue, _ = carry
+        waiting = False if queue is None else queue.next < queue.end
+        return (n < max_steps) & ~ended & (jnp.any(pool.stage != IDLE) | waiting)
 
     def body(carry):
-        n, pool, tokens, kinds, _ = carry
+        n, pool, tokens, kinds, _, queue, took = carry
+        if queue is not None:
+            refill = lambda c: _refill(c[0], parking, c[1])  # noqa: E731
+            pool, queue, entered = jax.lax.cond(jnp.any(pool.stage == IDLE) & (queue.next < queue.end), refill,
+                                                lambda c: (*c, none), (pool, queue))
+            took = took.at[:, n].set(entered)
         pool, tok, kind, answered = step(decoder, pool, verbal_stops, answer_stops, tail)
-        return n + 1, pool, tokens.at[:, n].set(tok), kinds.at[:, n].set(kind), jnp.any(answered)
+        ended = jnp.any(answered) & (True if queue is None else queue.next >= queue.end)
+        return n + 1, pool, tokens.at[:, n].set(tok), kinds.at[:, n].set(kind), ended, queue, took
 
     init = (jnp.zeros((), jnp.int32), pool, jnp.full((slots, max_steps), NO_TOKEN, jnp.int32),
-            jnp.full((slots, max_steps), IDLE, jnp.int32), jnp.zeros((), bool))
-    count, pool, tokens, kinds, _ = jax.lax.while_loop(cond, body, init)
-    return pool, tokens, kinds, count
+            jnp.full((slots, max_steps), IDLE, jnp.int32), jnp.zeros((), bool), queue,
+            None if queue is None else jnp.full((slots, max_steps), -1, jnp.int32))
+    count, pool, tokens, kinds, _, queue, took = jax.lax.while_loop(cond, body, init)
+    if queue is None:
+        return pool, tokens, kinds, count
+    return pool, tokens, kinds, count, queue, took

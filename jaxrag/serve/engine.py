@@ -42,7 +42,7 @@ from jaxrag.policies.srrag import srrag_policy
 from jaxrag.prompts import prompt_ids
 from jaxrag.serve.jobs import Answer, Job, Options, QueueFull, Unavailable
 from jaxrag.serve.metrics import Metrics
-from jaxrag.serve.pool import Device
+from jaxrag.decode.engine import Device
 from jaxrag.serve.retrieval import RetrievalWorker
 
 MAX_K = 64  # largest kNN k a request may ask for (the datastore is searched once at this k)
