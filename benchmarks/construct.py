@@ -13,7 +13,11 @@ measured is construct's generation and scoring. `--contexts`, `--new` and `--dem
 `construct.n_contexts`, `verbalize_max_tokens` and `demos_per_cluster`; `--batch` both batch
 sizes. Each tree runs in a process of its own (this checkout's `jaxrag`, then `--baseline`'s in
 a temporary `git worktree`): construct on `--questions` questions compiles its programs, then
-construct on as many other questions of the same sets is timed (questions per second).
+construct on as many other questions of the same sets is timed (questions per second), with the
+tokens its generation and scoring ran: `scoring_padded_per_real` (scoring's tokens with padding
+over the tokens it needed: each question's shared prefix once where the tree shares it),
+`prefill_padded_per_real` (GenRead's prompt prefills) and `decode_rows_busy` (generated tokens
+over decode row-steps: 1.0 when no row idles).
 """
 
 from __future__ import annotations
@@ -38,6 +42,48 @@ from jaxrag.data.loaders import load_dataset_examples
 from jaxrag.models.model import add_special_tokens
 
 model = add_special_tokens(jaxrag.load_model(args["model"]))
+
+# Tokens each tree's generation and scoring ran, padding included: this tree's counters where
+# it has them (engine.generate's stats, Scores' token counts), else the static batches' shapes.
+import jaxrag.data.construct as C
+import jaxrag.data.construct_genread as G
+from jaxrag.decode.sampler import batch_rows, bucket
+work = dict(score_real=0, score_padded=0, prompt_tokens=0, prefill_tokens=0, decode_row_steps=0, generated=0)
+score = C.score
+def counted_score(decoder, prefixes, targets, batch_size=16, **kw):
+    out = score(decoder, prefixes, targets, batch_size, **kw)
+    if hasattr(out, "padded_tokens"):
+        work["score_real"] += out.real_tokens
+        work["score_padded"] += out.padded_tokens
+    else:  # full rows, a batch padded to its rows and its longest row's bucket
+        for s in range(0, len(prefixes), batch_size):
+            rows = [len(p) + len(t) for p, t in zip(prefixes[s:s + batch_size], targets[s:s + batch_size])]
+            work["score_real"] += sum(rows)
+            work["score_padded"] += batch_size * bucket(max(rows))
+    return out
+C.score = counted_score
+if hasattr(G, "engine"):
+    generate = G.engine.generate
+    def counted_generate(*a, **kw):
+        stats = {}
+        out = generate(*a, stats=stats, **kw)
+        slots = batch_rows(kw["slots"], None, kw["slots"])
+        work["prompt_tokens"] += stats["prompt_tokens"]
+        work["prefill_tokens"] += stats["prefill_tokens"]
+        work["decode_row_steps"] += stats["steps"] * slots
+        work["generated"] += sum(map(len, out))
+        return out
+    G.engine.generate = counted_generate
+else:  # static batches: `rows` rows, the longest prompt's bucket, until the longest output ends
+    generate = G.generate
+    def counted_generate(decoder, batch, max_new, *a, rows=None, **kw):
+        out = generate(decoder, batch, max_new, *a, rows=rows, **kw)
+        work["prompt_tokens"] += sum(map(len, batch))
+        work["prefill_tokens"] += rows * bucket(max(map(len, batch)))
+        work["decode_row_steps"] += rows * max(map(len, out))
+        work["generated"] += sum(map(len, out))
+        return out
+    G.generate = counted_generate
 sets = [[(name, ex) for ex in load_dataset_examples(name, path)] for name, path in args["files"].items()]
 items = [it for group in zip(*sets) for it in group]  # the sets in turn
 n = args["questions"]
@@ -69,13 +115,17 @@ with tempfile.TemporaryDirectory() as tmp:
     start = time.perf_counter()
     construct(model, warm, retrieve, HashEncoder(), section, f"{tmp}/warm", progress=False)
     cold = time.perf_counter() - start
+    work.update(dict.fromkeys(work, 0))
     start = time.perf_counter()
     construct(model, timed, retrieve, HashEncoder(), section, f"{tmp}/timed", progress=False)
     seconds = time.perf_counter() - start
     records = sum(1 for p in pathlib.Path(tmp, "timed").glob("shard-*.jsonl")
                   for line in open(p) if line.strip())
 print("RESULT " + json.dumps({"jaxrag": jaxrag.__file__, "cold_s": cold, "seconds": seconds,
-                              "questions_per_s": n / seconds, "records": records}))
+                              "questions_per_s": n / seconds, "records": records, "tokens": work,
+                              "scoring_padded_per_real": work["score_padded"] / work["score_real"],
+                              "prefill_padded_per_real": work["prefill_tokens"] / work["prompt_tokens"],
+                              "decode_rows_busy": work["generated"] / work["decode_row_steps"]}))
 """
 
 

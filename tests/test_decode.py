@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jaxrag.decode.sampler import SamplingParams, bucket, generate
-from jaxrag.decode.scoring import score
+from jaxrag.decode.scoring import score, score_bucket
 from jaxrag.models.model import for_inference
 
 PROMPTS = [[5, 17, 33, 9, 41], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [99, 3, 120]]
@@ -115,6 +115,32 @@ def test_score_equals_transformers_token_logprobs(tiny_hf, variant):
         want = np.array([logp[len(p) - 1 + j, tok] for j, tok in enumerate(t)])
         np.testing.assert_allclose(got.per_token[i], want, atol=1e-4)
         assert abs(got.total[i] - want.sum()) < 1e-4
+
+
+def test_a_groups_shared_prefix_is_read_once_and_scores_as_each_row_alone(tiny_hf):
+    """Construct's rows of a question share its header and question: grouped, those tokens run
+    once (real_tokens counts them once), and every row's log-probs are transformers' for it."""
+    ref, _, model = tiny_hf("qwen2")
+    prefixes = [[5, 17, 33, 9], [5, 17, 33, 40, 41], [5, 17, 2], [8, 9], [11, 12]]
+    targets = [[60, 61], [62], [63, 64, 65], [66], [67]]
+    # Packed rows of 16 tokens: the first group's unit (14 tokens), then the two others in one row.
+    grouped = score(model.decoder, prefixes, targets, batch_size=4, groups=[0, 0, 0, 1, 2])
+    alone = score(model.decoder, prefixes, targets, batch_size=4)
+    for i, (p, t) in enumerate(zip(prefixes, targets)):
+        with torch.no_grad():
+            logp = torch.log_softmax(ref(torch.tensor([p + t])).logits[0], -1).numpy()
+        want = np.array([logp[len(p) - 1 + j, tok] for j, tok in enumerate(t)])
+        np.testing.assert_allclose(grouped.per_token[i], want, atol=1e-4)
+        np.testing.assert_allclose(alone.per_token[i], want, atol=1e-4)
+    # [5, 17] once, then 33 9 60 61 / 33 40 41 62 / 2 63 64 65; the lone rows: 8 9 66, 11 12 67.
+    assert grouped.real_tokens == 2 + 12 + 3 + 3
+    assert alone.real_tokens == sum(len(p) + len(t) for p, t in zip(prefixes, targets)) == 24
+    assert grouped.padded_tokens >= grouped.real_tokens
+
+
+def test_score_buckets_pad_a_row_by_under_a_quarter():
+    assert [score_bucket(n) for n in (1, 9, 17, 65, 129, 600, 1188)] == [8, 10, 20, 80, 160, 640, 1280]
+    assert max((score_bucket(n) - n) / n for n in range(8, 3000)) < 0.25
 
 
 def _hf_filtered(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:

@@ -125,8 +125,8 @@ def answer_logliks(model, questions: Sequence[str], answers: Sequence[str], cont
                    batch_size: int = 32) -> tuple[list[np.ndarray], np.ndarray]:
     """log p_M(a | q, c) for every context of every question ([len(contexts[i])] each) and
     log p_M(a | q) with no context ([n]). Prefix = `base_prompt_ids(base_prompt_text(q, [c]))`,
-    target = `answer_ids(a)` (the answer and EOS). Rows are length-sorted before batching; `score`
-    pads the last batch to `batch_size` rows, so every batch runs one program."""
+    target = `answer_ids(a)` (the answer and EOS). A question's rows are one `score` group: their
+    shared leading tokens (the prompt's header and the question) run once."""
     tok = model.tokenizer
     texts, owner = [], []
     for i, (q, cs) in enumerate(zip(questions, contexts)):
@@ -134,10 +134,7 @@ def answer_logliks(model, questions: Sequence[str], answers: Sequence[str], cont
         owner += [i] * (1 + len(cs))
     prefixes = base_prompt_ids(tok, texts)
     targets = answer_ids(tok, list(answers))
-    order = sorted(range(len(texts)), key=lambda r: (len(prefixes[r]) + len(targets[owner[r]]), r))
-    totals = score(model.decoder, [prefixes[r] for r in order], [targets[owner[r]] for r in order], batch_size).total
-    flat = np.empty(len(texts), np.float64)
-    flat[order] = totals
+    flat = score(model.decoder, prefixes, [targets[i] for i in owner], batch_size, groups=owner).total
     out, no_context, start = [], np.empty(len(questions), np.float64), 0
     for i, cs in enumerate(contexts):
         no_context[i] = flat[start]

@@ -171,7 +171,9 @@ def generate(decoder: Decoder, prompts, max_new_tokens: int, stop_ids=(), sampli
     stats = {} if stats is None else stats
     for key in ("calls", "steps", "prompt_tokens", "prefill_tokens"):
         stats.setdefault(key, 0)
-    done_next, pending = jnp.zeros((), jnp.int32), None
+    # The queue's running count carries over from call to call on the device, placed as the
+    # step loop returns it (as the ring's head), so that every call runs one program.
+    done_next, pending = jax.device_put(jnp.zeros((), jnp.int32), pool.state.slot.sharding), None
     while True:
         while order and host.end - host.next < size:  # prefill ahead into the parking rows consumed
             length = bucket(len(prompts[order[-1]]))

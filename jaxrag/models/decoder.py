@@ -330,6 +330,7 @@ class Decoder(nnx.Module):
         cache_index: jax.Array | int = 0,
         hidden_layer: int | None = None,
         segment_ids: jax.Array | None = None,  # [batch, seq] int: packed documents (no cache)
+        branch_ids: jax.Array | None = None,  # [batch, seq] int: with segment_ids, prefix (0) and branches
         logit_positions: jax.Array | None = None,  # [batch, k] int
         remat: str = "none",  # a REMAT_POLICIES key: what training's backward pass keeps
         batch_sharding: jax.sharding.Sharding | None = None,  # of [batch, ...] activations
@@ -337,16 +338,17 @@ class Decoder(nnx.Module):
     ) -> DecoderOutput:
         """`hidden_layer` l returns transformers' `hidden_states[l]`: 0 = embeddings, l = output
         of decoder layer l (1-based), num_layers = after the final norm. With `segment_ids`, a
-        token attends only within its own packed document. `logit_positions`: logits [batch, k, v]
-        at those positions only. A prefill needs one column and a loss only its targets; the
-        head over every position is a third of a small model's compute and [t, vocab] floats
-        per row on a big one. `cache` (from `init_cache`) is returned updated. `batch_sharding`
+        token attends only within its own packed document; with `branch_ids` too, a branch token
+        attends to its document's prefix and its own branch (`masks.attention_mask_4d`).
+        `logit_positions`: logits [batch, k, v] at those positions only. A prefill needs one
+        column and a loss only its targets; the head over every position is a third of a small
+        model's compute and [t, vocab] floats per row on a big one. `cache` (from `init_cache`) is returned updated. `batch_sharding`
         pins each layer's input and output to it: inside the scan XLA would otherwise follow the
         FSDP-sharded weights and keep the (saved) activations unsplit over the batch."""
         cfg, dtype = self.cfg, resolve_dtype(self.cfg.dtype)
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
         cos, sin = rope_cos_sin(cfg.rope, positions, dtype)
-        mask = attention_mask_4d(key_mask, input_ids.shape[1], cache_index, cfg.sliding_window, segment_ids)
+        mask = attention_mask_4d(key_mask, input_ids.shape[1], cache_index, cfg.sliding_window, segment_ids, branch_ids)
         # A middle layer's output rides along in the carry, picked by the layer index.
         carry_hidden = hidden_layer is not None and 0 < hidden_layer < cfg.num_layers
 

@@ -21,10 +21,13 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
 
 
 def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int | None,
-                      segment_ids: jax.Array | None = None):
+                      segment_ids: jax.Array | None = None, branch_ids: jax.Array | None = None):
     """key_mask [b, s] bool -> [b, 1, t, s]: causal by slot index, padding, optional window,
-    and with `segment_ids` [b, t] (no cache) only keys of the query's own packed document; each
-    query also sees its own slot, so no row is empty.
+    and with `segment_ids` [b, t] (no cache) only keys of the query's own packed document; with
+    `branch_ids` [b, t] too, a document is a shared prefix (branch 0) and branches (1, 2, ...)
+    packed after it, and a branch's query sees the prefix and its own branch only (the slot
+    distance a window counts is then at least the position distance). Each query also sees its
+    own slot, so no row is empty.
 
     Query t sits at slot `cache_index + t` of the key axis (0 without a cache). A single query
     (a decode step) sees every key its row holds, wherever it sits: no key of a cache is ahead
@@ -41,6 +44,8 @@ def attention_mask_4d(key_mask, query_len: int, cache_index, sliding_window: int
     allowed = allowed[None] & key_mask[:, None, :].astype(bool)
     if segment_ids is not None:
         allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    if branch_ids is not None:
+        allowed &= (branch_ids[:, None, :] == 0) | (branch_ids[:, :, None] == branch_ids[:, None, :])
     # Every query sees its own slot (real ones already do): a padding query would otherwise see no
     # key. On such a row cuDNN's forward equals XLA's but its backward does not (H100: |dv| 1744
     # vs 1.7), and a padding position whose next token is real does get a gradient: the decoder's

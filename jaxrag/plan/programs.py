@@ -10,7 +10,8 @@ Shapes (the planner's stated assumptions where the data decides them):
 - construct: GenRead round-2 prompts of `demos_per_cluster` demonstrations + the question, each
   `verbalize_max_tokens` + 48 tokens (or `max_prompt_tokens` when set), bucketed like the sampler
   and prefilled in chunks of `sampler.prefill_chunk` columns (one chunk's pass is the program);
-  likelihood scoring of `score_batch_size` rows of question + one context + answer.
+  likelihood scoring packed as `scoring.score` packs it (`scoring_shape`: each question's prefix
+  once, then its rows' contexts and answers, in rows of up to `scoring.PACK_TOKENS`).
 - routed decoding: `inference.batch_size` rows (padded as the router does), a cache for prompt,
   verbalization, knowledge and answer; the prefill appends the knowledge chunk.
 - generation programs (construct's generation and likelihood scoring, routed decoding) read the
@@ -38,7 +39,7 @@ import transformers
 from flax import nnx
 
 from jaxrag import sharding
-from jaxrag.decode import sampler, sampling
+from jaxrag.decode import sampler, sampling, scoring
 from jaxrag.errors import JaxragError
 from jaxrag.models import gguf, hf
 from jaxrag.models.decoder import Decoder, DecoderConfig, init_cache, unstack_layers
@@ -46,7 +47,6 @@ from jaxrag.models.encoder import BertConfig, BertEncoder, pool
 from jaxrag.models.encoder_io import encoder_config, max_length_of, resolve_encoder
 from jaxrag.models.families import FAMILIES
 from jaxrag.models.lora import Trainable, check_targets
-from jaxrag.models.masks import positions_from_mask
 from jaxrag.models.model import resolve_model_dir
 from jaxrag.models.tokens import srrag_tokens
 from jaxrag.train import losses, trainer
@@ -201,6 +201,31 @@ def device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def scoring_shape(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> tuple[int, int, int, int]:
+    """Construct's packed scoring (`scoring.score`) at the config's sizes: (rows per call, packed
+    length, target columns per row, calls). A question's unit is its prompt's shared prefix (48
+    tokens: header and question), then its rows' rests: " Answer: a" (8 + answer tokens), and
+    per context the context, its wrapping (16 tokens) and the answer, verbalizations of
+    `verbalize_max_tokens` and passages of 192; units are cut at `PACK_TOKENS` and fill their rows."""
+    c, answer = cfg.construct, int(cfg.inference.max_answer_tokens)
+    n, verbal = int(c.n_contexts), int(c.verbalize_max_tokens)
+    rests = [8 + answer] + [16 + verbal + answer] * n + [16 + 192 + answer] * n
+    longest = 48 + max(rests)
+    cap = max(min(scoring.PACK_TOKENS, dec_cfg.sliding_window or scoring.PACK_TOKENS), longest)
+    units, size = [48], 48  # each unit's tokens, as `scoring._units` cuts them
+    for rest in rests:
+        if size + rest > cap:
+            units.append(48)
+            size = 48
+        units[-1] += rest
+        size += rest
+    length = scoring.score_bucket(max(units))
+    rows = sampler.batch_rows(max(1, int(c.score_batch_size) * scoring.score_bucket(longest) // length), mesh)
+    targets = scoring.score_bucket(answer * len(rests) * length // sum(units))  # a packed row's answers
+    calls = math.ceil(questions * sum(units) / length / rows)
+    return rows, length, min(length, targets), calls
+
+
 def generation_programs(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> list[Program]:
     """Construct's generation and likelihood scoring and routed decoding, each on `mesh` (one
     process's generation mesh) at the config's per-process batch sizes; `calls` over all processes."""
@@ -250,19 +275,17 @@ def generation_programs(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> li
     extend_program("construct generation: prefill", gen_rows, chunk, gen_slots,
                    gen_calls * -(-bucket(prompt) // chunk), gen_fix)
     extend_program("construct generation: decode step", gen_rows, 1, gen_slots, gen_calls * verbal, gen_fix)
-    score_rows = sampler.batch_rows(int(c.score_batch_size), mesh, int(c.score_batch_size))
-    score_len = bucket(128 + max(verbal, 192) + int(inf.max_answer_tokens) + 32)
-    answer = min(score_len, bucket(int(inf.max_answer_tokens)))
-    score_calls = math.ceil(questions * 2 * int(c.n_contexts) / score_rows)
-    fn = jax.jit(lambda p, ids, mask, at: losses.target_logprobs(nnx.merge(inf_graphdef, p)(
-        ids, positions_from_mask(mask), mask, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
-    b = _batch(mesh, ids=((score_rows, score_len), i32), mask=((score_rows, score_len), bool),
-               at=((score_rows, answer), i32))
-    programs.append(Program("construct likelihood scoring", fn, (inf_params, b["ids"], b["mask"], b["at"]),
-                            forward_flops(dec_cfg, score_rows, score_len, score_len, answer), score_rows * score_len,
+    score_rows, length, answer, score_calls = scoring_shape(cfg, dec_cfg, mesh, questions)
+    fn = jax.jit(lambda p, ids, pos, seg, branch, at: losses.target_logprobs(nnx.merge(inf_graphdef, p)(
+        ids, pos, seg > 0, segment_ids=seg, branch_ids=branch, logit_positions=jnp.maximum(at - 1, 0)).logits, ids, at))
+    b = _batch(mesh, ids=((score_rows, length), i32), pos=((score_rows, length), i32),
+               seg=((score_rows, length), i32), branch=((score_rows, length), i32), at=((score_rows, answer), i32))
+    programs.append(Program("construct likelihood scoring", fn,
+                            (inf_params, b["ids"], b["pos"], b["seg"], b["branch"], b["at"]),
+                            forward_flops(dec_cfg, score_rows, length, length, answer), score_rows * length,
                             score_calls, inf_param_bytes,
-                            split + (f"--config.construct.score_batch_size={max(1, score_rows // 2)}",), mesh, True,
-                            upcast_bytes))
+                            split + (f"--config.construct.score_batch_size={max(1, int(c.score_batch_size) // 2)}",),
+                            mesh, True, upcast_bytes))
     route_rows = sampler.batch_rows(int(inf.batch_size), mesh, int(inf.batch_size))  # as the eval's loops
     knowledge = bucket(int(inf.max_knowledge_tokens) + 8)
     route_slots = 128 + 1 + bucket(verbal) + knowledge + bucket(int(inf.max_answer_tokens))
