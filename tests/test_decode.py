@@ -103,6 +103,13 @@ def test_stop_tokens_per_row_end_rows_independently(tiny_hf):
     assert out[2] == free[2][:1]
 
 
+def _hf_target_logprobs(ref, prefix, target) -> np.ndarray:
+    """transformers' log p of each target token after the prefix, the row alone."""
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([prefix + target])).logits[0], -1).numpy()
+    return np.array([logp[len(prefix) - 1 + j, tok] for j, tok in enumerate(target)])
+
+
 @pytest.mark.parametrize("variant", ["qwen2", "phi3"])
 def test_score_equals_transformers_token_logprobs(tiny_hf, variant):
     ref, _, model = tiny_hf(variant)
@@ -110,9 +117,7 @@ def test_score_equals_transformers_token_logprobs(tiny_hf, variant):
     targets = [[40, 41, 42, 43], [2], [60, 61]]
     got = score(model.decoder, prefixes, targets, batch_size=2)
     for i, (p, t) in enumerate(zip(prefixes, targets)):
-        with torch.no_grad():
-            logp = torch.log_softmax(ref(torch.tensor([p + t])).logits[0], -1).numpy()
-        want = np.array([logp[len(p) - 1 + j, tok] for j, tok in enumerate(t)])
+        want = _hf_target_logprobs(ref, p, t)
         np.testing.assert_allclose(got.per_token[i], want, atol=1e-4)
         assert abs(got.total[i] - want.sum()) < 1e-4
 
@@ -127,9 +132,7 @@ def test_a_groups_shared_prefix_is_read_once_and_scores_as_each_row_alone(tiny_h
     grouped = score(model.decoder, prefixes, targets, batch_size=4, groups=[0, 0, 0, 1, 2])
     alone = score(model.decoder, prefixes, targets, batch_size=4)
     for i, (p, t) in enumerate(zip(prefixes, targets)):
-        with torch.no_grad():
-            logp = torch.log_softmax(ref(torch.tensor([p + t])).logits[0], -1).numpy()
-        want = np.array([logp[len(p) - 1 + j, tok] for j, tok in enumerate(t)])
+        want = _hf_target_logprobs(ref, p, t)
         np.testing.assert_allclose(grouped.per_token[i], want, atol=1e-4)
         np.testing.assert_allclose(alone.per_token[i], want, atol=1e-4)
     # [5, 17] once, then 33 9 60 61 / 33 40 41 62 / 2 63 64 65; the lone rows: 8 9 66, 11 12 67.
