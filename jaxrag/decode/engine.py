@@ -184,8 +184,9 @@ def generate(decoder: Decoder, prompts, max_new_tokens: int, stop_ids=(), sampli
             count = next(r for r in row_buckets(slots, GENERATE_MIN_ROWS) if r >= len(group))
             at = [(host.end + j) % size for j in range(len(group))]
             tokens, mask = left_pad([prompts[i] for i in group], length, count)
-            parking, _, _ = admit(decoder, parking, jnp.asarray(np.array([*at, *[size] * (count - len(group))], np.int32)),
-                                  jnp.asarray(tokens), jnp.asarray(mask), length=length + new_cols, hidden_layer=None,
+            into = np.array([*at, *[size] * (count - len(group))], np.int32)  # padding rows: dropped
+            parking, _, _ = admit(decoder, parking, jnp.asarray(into), jnp.asarray(tokens), jnp.asarray(mask),
+                                  length=length + new_cols, hidden_layer=None,
                                   chunk=prefill_chunk(count, decoder.cfg.num_heads, length + new_cols))
             queue["keys"][at] = keys[group][:, None]
             host.queued(group)
@@ -196,10 +197,10 @@ def generate(decoder: Decoder, prompts, max_new_tokens: int, stop_ids=(), sampli
         # The next call is dispatched before the last one's tokens are read.
         waiting = Queue(**{k: jnp.asarray(v) for k, v in queue.items()}, next=done_next,
                         end=jnp.asarray(host.end, jnp.int32))
-        pool, tokens, kinds, count, waiting, took = steps(decoder, pool, jnp.zeros(slots, bool), nothing, stops, nothing,
-                                                          max_steps=GENERATE_STEPS_PER_CALL, parking=parking,
-                                                          queue=waiting)
-        done_next, previous, pending = waiting.next, pending, (tokens, kinds, count, took)
+        pool, tokens, kinds, ran, waiting, took = steps(decoder, pool, jnp.zeros(slots, bool), nothing, stops,
+                                                        nothing, max_steps=GENERATE_STEPS_PER_CALL, parking=parking,
+                                                        queue=waiting)
+        done_next, previous, pending = waiting.next, pending, (tokens, kinds, ran, took)
         if previous is not None:
             host.read(*previous, stats)
             if host.finished():

@@ -156,9 +156,10 @@ def enter(decoder: Decoder, pool: SlotPool, parking: DecodeState, rows, parked, 
     """Parking rows `parked` [R] enter the pool as rows `rows` [R]: each one's `source` token [R] and
     then its left-padded chunk ids/mask [R, w] (w may be 0: a `<Self>` row's knowledge is its
     own) are appended as `route` appends them alone, and the row is placed in the ring with its
-    last column just before the head. `source` None: a prompt's plain continuation (`engine.generate`),
-    which appends nothing and samples from its prompt's last logits. Its program: `stage` [R] (VERBAL or ANSWER), `budget` [R, 2]
-    (verbalization, answer), `temperature`, `top_p` [R], `keys` [R, 2, words] (`stage_keys`).
+    last column just before the head; `source` None appends nothing (a prompt's plain
+    continuation, sampled from its prompt's last logits). Its program: `stage` [R] (VERBAL or
+    ANSWER), `budget` [R, 2] (verbalization, answer), `temperature`, `top_p` [R], `keys` [R, 2,
+    words] (`stage_keys`).
     Indices past the pool or the parking are padding: they read a real row and are never written."""
     width = pool.state.key_mask.shape[-1]
     parked = _fit_columns(jax.tree.map(lambda x: jnp.take(x, parked, axis=0, mode="clip"), parking), width)
