@@ -7,6 +7,7 @@ scores the gold answer from the cache its routed prefix left (`extend_logprobs`)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -62,22 +63,13 @@ def packed_logprobs(decoder: Decoder, ids, positions, segment_ids, branch_ids, t
     return target_logprobs(out.logits, ids, targets)
 
 
-def _common(rows: list[list[int]]) -> int:
-    """Length of the rows' longest common leading tokens."""
-    n = min(map(len, rows))
-    for j in range(n):
-        if any(r[j] != rows[0][j] for r in rows[1:]):
-            return j
-    return n
-
-
-def _units(rows: list[list[int]], members: list[list[int]], prefix_len: list[int], cap: int):
+def pack_units(rows: list[list[int]], members: list[list[int]], prefix_len: list[int], cap: int):
     """Each group's rows as units of at most `cap` tokens: (shared prefix, [(row, its rest)])."""
     units = []
     for m in members:
         # The shared prefix ends before each row's token preceding its target: that token's
         # logits score the target's first token, so it stays in the row's rest.
-        cut = min(_common([rows[i] for i in m]), *(prefix_len[i] - 1 for i in m))
+        cut = min(len(os.path.commonprefix([rows[i] for i in m])), *(prefix_len[i] - 1 for i in m))
         unit, size = [], cut
         for i in m:
             rest = rows[i][cut:]
@@ -110,7 +102,7 @@ def score(decoder: Decoder, prefixes: Sequence[Sequence[int]], targets: Sequence
         members.setdefault(g, []).append(i)
     longest = max(map(len, rows))
     cap = max(min(PACK_TOKENS, window or PACK_TOKENS), longest)  # a window never bites within a row
-    units = _units(rows, list(members.values()), [len(p) for p in prefixes], cap)
+    units = pack_units(rows, list(members.values()), [len(p) for p in prefixes], cap)
     sizes = [len(p) + sum(len(r) for _, r in u) for p, u in units]
     length = score_bucket(max(sizes))
     packed: list[list[int]] = []  # first-fit decreasing: each packed row's units

@@ -212,13 +212,10 @@ def scoring_shape(cfg, dec_cfg: DecoderConfig, mesh, questions: int) -> tuple[in
     rests = [8 + answer] + [16 + verbal + answer] * n + [16 + 192 + answer] * n
     longest = 48 + max(rests)
     cap = max(min(scoring.PACK_TOKENS, dec_cfg.sliding_window or scoring.PACK_TOKENS), longest)
-    units, size = [48], 48  # each unit's tokens, as `scoring._units` cuts them
-    for rest in rests:
-        if size + rest > cap:
-            units.append(48)
-            size = 48
-        units[-1] += rest
-        size += rest
+    # One question's rows (a shared 48-token prefix, then each rest) cut into units as `score` cuts them.
+    rows = [[0] * 48 + [i + 1] * rest for i, rest in enumerate(rests)]
+    units = [len(prefix) + sum(len(r) for _, r in unit) for prefix, unit in
+             scoring.pack_units(rows, [list(range(len(rows)))], [len(r) - answer for r in rows], cap)]
     length = scoring.score_bucket(max(units))
     rows = sampler.batch_rows(max(1, int(c.score_batch_size) * scoring.score_bucket(longest) // length), mesh)
     targets = scoring.score_bucket(answer * len(rests) * length // sum(units))  # a packed row's answers
