@@ -20,6 +20,8 @@ from jaxrag.pipeline.cli import reuse_cpu_temporaries  # noqa: E402
 reuse_cpu_temporaries()  # as `python -m jaxrag.train` does: before jax loads (trainer tests ~20% faster)
 import pytest  # noqa: E402
 
+pytest_plugins = ["cpu_seconds"]
+
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
