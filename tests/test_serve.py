@@ -304,6 +304,37 @@ def test_a_full_queue_takes_its_last_request_and_refuses_one_more_with_429(refer
     assert all(job.cancelled for job in engine.waiting)  # the waiting clients left: the loop drops them
 
 
+def test_questions_admitted_together_share_one_datastore_search(reference, monkeypatch):
+    """An admission call's questions, asking different k, get one search of the policy datastore
+    (over the call's padded rows, at the largest k served) and each its own decision: the source,
+    p_M and p_D `SRRAG.ask` gives it alone with its k. One search per question fails this."""
+    import dataclasses
+
+    from jaxrag.decode.sampler import bucket
+    from jaxrag.serve.engine import Engine
+    from jaxrag.serve.jobs import Job, Options
+
+    system, alone = reference
+    engine = Engine(system, slots=SLOTS, max_queue=QUEUE, max_question_tokens=QUESTION_TOKENS)
+    length = bucket(len(engine.prompt(QUESTIONS[0])))
+    questions = [q for q in QUESTIONS if bucket(len(engine.prompt(q))) == length][:SLOTS]
+    ks = [None, 1] * (len(questions) // 2) + [None] * (len(questions) % 2)
+    with_k1 = dataclasses.replace(system, k=1)
+    want = [alone[q] if k is None else with_k1.ask([q])[0] for q, k in zip(questions, ks)]
+    searches, search = [], system.datastore.neighbour_labels
+    monkeypatch.setattr(system.datastore, "neighbour_labels",
+                        lambda keys, k: searches.append((len(keys), k)) or search(keys, k))
+    jobs = [Job(q, engine.prompt(q), Options(k=k), lambda *a: None) for q, k in zip(questions, ks)]
+    for i, job in enumerate(jobs):
+        job.park, engine.parked[i] = i, job
+    engine._admit(jobs)
+    assert len(questions) == SLOTS and searches == [(SLOTS, engine.max_k)]
+    for job, ref in zip(jobs, want):
+        assert (job.source, job.p_datastore) == (ref.source, ref.p_datastore)
+        np.testing.assert_allclose(job.p_model, ref.p_model, rtol=1e-5)
+    assert {len(job.p_datastore) for job in jobs} == {len(system.model.sources)}
+
+
 def test_limits_that_retrying_cannot_fix_get_413(url):
     """A body over the server's limit (1 MiB), by Content-Length or chunked, and more questions
     in one call than the queue can ever hold get 413 naming the setting, never 429."""

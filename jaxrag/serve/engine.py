@@ -147,9 +147,8 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles every program a request can run, before the first one: the pool's
         (`Device.warm_up`), the datastore search, and the retriever per encoder length bucket."""
-        for logits, hidden in self.device.warm_up():
-            p_src = source_probabilities(logits, self.src_ids)
-        self._policy(self.system.k)(PolicyInputs([""], self.sources, p_src[:1], hidden[:1]))
+        for _, hidden in self.device.warm_up():  # the datastore search, per admission's row count
+            self._neighbours(hidden, 0)
         encoder = self.system.retriever.encoder
         for length in encoder.buckets():
             words = max(1, length - 2)
@@ -257,28 +256,33 @@ class Engine:
             return self.device.padded([j.park for j in jobs], len(self.parked))
         return self.device.padded([j.slot for j in jobs], self.slots)
 
-    def _policy(self, k: int):
-        """SR-RAG's policy with p_D from the k nearest entries (one search at `max_k`: one program)."""
-        store = self.system.datastore
-        return srrag_policy(lambda keys: store.neighbour_labels(np.asarray(keys, np.float32), self.max_k)[:, :k],
-                            self.system.tau)
+    def _neighbours(self, hidden: np.ndarray, n: int) -> np.ndarray:
+        """Labels [rows, max_k] of the datastore entries nearest the first `n` rows' keys (the
+        padding rows' keys zeroed): one search per admission call, at `max_k` over its padded rows,
+        so one program per row count."""
+        keys = np.array(hidden, np.float32)
+        keys[n:] = 0.0
+        return self.system.datastore.neighbour_labels(keys, self.max_k)
 
     def _admit(self, jobs: list[Job]) -> None:
         """T_d for questions admitted together whose prompts share a length bucket: their
-        prefills in one call, then each one's policy; the rows that need no passages are ready
-        to enter the pool, the others go to the retrieval worker."""
+        prefills in one call, one datastore search, SR-RAG's policy once per k asked; the rows
+        that need no passages are ready to enter the pool, the others go to the retrieval worker."""
         start = time.perf_counter()
         logits, hidden = self.device.admit(self._row_indices(jobs, parking=True), [job.prompt for job in jobs])
         self.metrics.calls.labels("admit").inc()
-        p_src = source_probabilities(logits, self.src_ids)
-        for i, job in enumerate(jobs):
-            job.latency["queue"] = start - job.submitted
-            inputs = PolicyInputs([job.question], self.sources, p_src[i:i + 1], hidden[i:i + 1])
-            decision = self._policy(job.options.k or self.system.k)(inputs)
-            job.source = job.options.source or self.sources[int(np.asarray(decision.source)[0])]
-            job.p_model = p_src[i].tolist()
-            job.p_datastore = None if decision.p_datastore is None else np.asarray(decision.p_datastore[0]).tolist()
-            job.score = None if decision.score is None else float(decision.score[0])
+        p_src, labels = source_probabilities(logits, self.src_ids), self._neighbours(hidden, len(jobs))
+        for k, idx in _grouped(range(len(jobs)), lambda i: jobs[i].options.k or self.system.k).items():
+            # SR-RAG's policy once per k asked, on the labels the one search found
+            policy = srrag_policy(lambda keys, idx=idx, k=k: labels[idx, :k], self.system.tau)
+            decision = policy(PolicyInputs([jobs[i].question for i in idx], self.sources, p_src[idx], hidden[idx]))
+            for j, i in enumerate(idx):
+                job = jobs[i]
+                job.latency["queue"] = start - job.submitted
+                job.source = job.options.source or self.sources[int(np.asarray(decision.source)[j])]
+                job.p_model = p_src[i].tolist()
+                job.p_datastore = np.asarray(decision.p_datastore[j]).tolist()
+                job.score = float(decision.score[j])
         t_d = time.perf_counter() - start
         for job in jobs:
             job.latency["T_d"] = t_d
