@@ -47,6 +47,24 @@ def test_each_prompt_gets_what_it_gets_alone(dec, stop, sampling):
     assert stats["prefill_tokens"] >= stats["prompt_tokens"]
 
 
+def test_the_first_call_compiles_what_every_later_call_runs(tiny_hf):
+    """A model as `load_model` leaves it (host arrays) and a pool built without a mesh: the first
+    call compiles the programs the later calls run, so a second call on other prompts of the same
+    buckets compiles nothing. Fails where the first call's programs see uncommitted arrays: its
+    outputs come back committed (the decoder's arrays too, written back by the jitted call), and
+    every later call compiled its own."""
+    import jaxrag
+    from jaxrag.eval.harness import compile_events
+
+    fresh = jaxrag.load_model(tiny_hf("qwen2")[1], inference=True).decoder
+    engine.generate(fresh, PROMPTS, NEW, slots=SLOTS)
+    other = [list(reversed(p)) for p in PROMPTS]  # other tokens, the same lengths
+    before = compile_events()
+    got = engine.generate(fresh, other, NEW, slots=SLOTS)
+    assert compile_events() == before
+    assert got == [sampler.generate(fresh, [p], NEW, row_ids=[i])[0] for i, p in enumerate(other)]
+
+
 def test_a_row_that_ends_is_replaced_without_draining_the_pool(dec, stop):
     lengths = [len(c) for c in alone(dec, stop)]
     assert min(lengths) < NEW == max(lengths), lengths  # the stop ends some rows early

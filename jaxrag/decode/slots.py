@@ -40,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from jaxrag.decode.sampler import NO_TOKEN, DecodeState, _extend, init_state, placement, zeros_on
 from jaxrag.decode.sampling import nucleus, row_keys
@@ -83,10 +84,13 @@ def _zero_pool(decoder: Decoder, slots: int, length: int) -> SlotPool:
 
 
 def _placed(decoder: Decoder, slots: int, make):
-    """make() built on the decoder's devices: rows over the mesh's batch axes, KV heads over `tensor`."""
+    """make() built on the decoder's devices: rows over the mesh's batch axes, KV heads over `tensor`;
+    on one device, committed to it, as every call's outputs are, so that the first call runs the
+    program every later call runs instead of compiling one of its own."""
     mesh = placement(decoder)
     if mesh is None:
-        return make()
+        where = getattr(jax.tree.leaves(nnx.state(decoder, nnx.Param))[0], "sharding", None)
+        return jax.device_put(make(), where) if isinstance(where, SingleDeviceSharding) else make()
     if slots % data_parallel_size(mesh):
         raise JaxragError(f"{slots} slots: must be a multiple of the model's data axis ({data_parallel_size(mesh)} "
                           "devices), each of which holds its share of the slots")
