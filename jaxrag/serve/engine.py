@@ -147,7 +147,8 @@ class Engine:
     def warm_up(self) -> None:
         """Compiles every program a request can run, before the first one: the pool's
         (`Device.warm_up`), the datastore search, and the retriever per encoder length bucket."""
-        for _, hidden in self.device.warm_up():  # the datastore search, per admission's row count
+        for logits, hidden in self.device.warm_up():  # p_M and the datastore search, per admission's row count
+            source_probabilities(logits, self.src_ids)
             self._neighbours(hidden, 0)
         encoder = self.system.retriever.encoder
         for length in encoder.buckets():
