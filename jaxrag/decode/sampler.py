@@ -289,11 +289,11 @@ def placement(decoder: Decoder):
     A decoder whose arrays are host arrays or uncommitted (`load_model`'s, a fresh init) has them
     committed to this process's first device here, in place: the first jitted call would write
     committed arrays back into it, so every program it ran would compile again on the next call."""
-    leaf = jax.tree.leaves(nnx.state(decoder))[0]
+    leaf = jax.tree.leaves(nnx.state(decoder, nnx.Param))[0]
     concrete = isinstance(leaf, np.ndarray) or (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer))
     if concrete and not getattr(leaf, "committed", False):  # not when tracing or given shapes only
         nnx.update(decoder, jax.device_put(nnx.state(decoder), jax.local_devices()[0]))
-        leaf = jax.tree.leaves(nnx.state(decoder))[0]
+        leaf = jax.tree.leaves(nnx.state(decoder, nnx.Param))[0]
     where = getattr(leaf, "sharding", None)
     local = isinstance(where, NamedSharding) and where.is_fully_addressable and where.mesh.size > 1
     return where.mesh if local else None

@@ -32,13 +32,13 @@ import time
 
 import numpy as np
 
-from jaxrag.decode.policy import PolicyInputs, source_probabilities
+from jaxrag.decode.policy import source_probabilities
 from jaxrag.decode.routing import Routed, answer_text, knowledge_chunk, knowledge_text
 from jaxrag.decode.sampler import bucket
 from jaxrag.decode.slots import ANSWER, VERBAL
 from jaxrag.errors import JaxragError
 from jaxrag.models.tokens import NONE, SELF, source_token
-from jaxrag.policies.srrag import srrag_policy
+from jaxrag.policies.srrag import choose_source, policy_distribution
 from jaxrag.prompts import prompt_ids
 from jaxrag.serve.jobs import Answer, Job, Options, QueueFull, Unavailable
 from jaxrag.serve.metrics import Metrics
@@ -274,16 +274,14 @@ class Engine:
         self.metrics.calls.labels("admit").inc()
         p_src, labels = source_probabilities(logits, self.src_ids), self._neighbours(hidden, len(jobs))
         for k, idx in _grouped(range(len(jobs)), lambda i: jobs[i].options.k or self.system.k).items():
-            # SR-RAG's policy once per k asked, on the labels the one search found
-            policy = srrag_policy(lambda keys, idx=idx, k=k: labels[idx, :k], self.system.tau)
-            decision = policy(PolicyInputs([jobs[i].question for i in idx], self.sources, p_src[idx], hidden[idx]))
+            # Eq. 7 once per k asked, p_D from the k nearest of the labels the one search found
+            p_d = policy_distribution(labels[idx, :k], len(self.sources))
+            source, score = choose_source(p_src[idx], p_d, self.sources, self.system.tau)
             for j, i in enumerate(idx):
                 job = jobs[i]
                 job.latency["queue"] = start - job.submitted
-                job.source = job.options.source or self.sources[int(np.asarray(decision.source)[j])]
-                job.p_model = p_src[i].tolist()
-                job.p_datastore = np.asarray(decision.p_datastore[j]).tolist()
-                job.score = float(decision.score[j])
+                job.source = job.options.source or self.sources[int(source[j])]
+                job.p_model, job.p_datastore, job.score = p_src[i].tolist(), p_d[j].tolist(), float(score[j])
         t_d = time.perf_counter() - start
         for job in jobs:
             job.latency["T_d"] = t_d
