@@ -14,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# GGUF conversions (`jaxrag.models.gguf.converted`) likewise, per checkout: a fresh clone converts
+# SmolLM2 once (the real path's first process), and never into the user's own cache.
+os.environ.setdefault("JAXRAG_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jaxrag"))
 
 from jaxrag.pipeline.cli import reuse_cpu_temporaries  # noqa: E402
 

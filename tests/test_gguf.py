@@ -6,6 +6,7 @@ package's writer (llama.cpp's tensor names, float32 tensors, a byte-level BPE vo
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -82,6 +83,43 @@ def test_gguf_file_loads_with_the_original_logits(tmp_path, variant):
     assert model.tokenizer(text)["input_ids"] == AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"]
     again = jaxrag.load_model(tmp_path / "gguf")  # a directory holding one GGUF file
     np.testing.assert_array_equal(np.asarray(again.logits(ids)), np.asarray(model.logits(ids)))
+
+
+def test_a_file_is_dequantized_once_per_contents(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXRAG_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    to_hf_dir = gguf_import.to_hf_dir
+    monkeypatch.setattr(gguf_import, "to_hf_dir", lambda path, out: calls.append(path) or to_hf_dir(path, out))
+    ref = make_hf_model(tmp_path / "hf", "llama", spare_rows=0)
+    write_gguf(ref, tmp_path / "hf", tmp_path / "tiny.gguf", "llama")
+    loaded = []
+    threads = [threading.Thread(target=lambda: loaded.append(jaxrag.load_model(tmp_path / "tiny.gguf")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loaded) == 2 and len(calls) == 1  # two loads at once: one conversion, the other waited
+    ids = np.array([[5, 17, 3, 40, 8]])
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits.numpy()
+    for model in (*loaded, jaxrag.load_model(tmp_path / "tiny.gguf")):
+        np.testing.assert_allclose(np.asarray(model.logits(ids)), want, atol=1e-4, rtol=0)
+    assert len(calls) == 1
+    entry, = (tmp_path / "cache" / "gguf").glob("tiny-*[!k]")  # the entry beside its lock file
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == [entry.name, entry.name + ".lock"]
+    # other contents under the same name: converted anew, with the other model's logits
+    other = make_hf_model(tmp_path / "hf2", "llama", spare_rows=0, seed=1)
+    write_gguf(other, tmp_path / "hf2", tmp_path / "tiny.gguf", "llama")
+    with torch.no_grad():
+        want = other(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(jaxrag.load_model(tmp_path / "tiny.gguf").logits(ids)), want, atol=1e-4, rtol=0)
+    assert len(calls) == 2
+    # an entry left incomplete (no config.json) is converted again, not read
+    (entry / "config.json").unlink()
+    write_gguf(ref, tmp_path / "hf", tmp_path / "tiny.gguf", "llama")
+    jaxrag.load_model(tmp_path / "tiny.gguf")
+    assert len(calls) == 3 and (entry / "config.json").is_file()
 
 
 def test_unsupported_architectures_and_bad_files(tmp_path):

@@ -5,7 +5,11 @@ included) and dequantizes every tensor to float32. `to_hf_dir` writes those as c
 safetensors and tokenizer files, so `load_model("model.gguf")` loads a GGUF model through the
 same checks as any other checkpoint. Quantized weights are dequantized once: the jaxrag model
 is a float model with the quantized model's values (its logits equal transformers' own GGUF
-load), not a quantized one.
+load), not a quantized one. `converted` keeps that directory in a cache keyed by the file's
+contents (`JAXRAG_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxrag`, else `~/.cache/jaxrag`), as the hub's
+downloads are kept: a second load of the same file, or every process of a multi-process run after
+the first, reads it instead of dequantizing again (one process converts while the others wait on
+a file lock).
 
 Families: the GGUF architectures that both transformers and jaxrag's decoder implement, i.e.
 llama, qwen2 and phi3. Needs the optional packages `gguf`, `accelerate` and torch
@@ -14,8 +18,14 @@ llama, qwen2 and phi3. Needs the optional packages `gguf`, `accelerate` and torc
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
+import shutil
+import tempfile
 from pathlib import Path
+
+import filelock
 
 from jaxrag.errors import JaxragError
 from jaxrag.models.families import FAMILIES
@@ -109,6 +119,44 @@ def plain_config(config):
 
     values = {k: v for k, v in config.to_dict().items() if k not in _DROPPED_CONFIG_KEYS}
     return transformers.AutoConfig.for_model(**values)
+
+
+def cache_root() -> Path:
+    """Where jaxrag keeps what it can rebuild: `JAXRAG_CACHE_DIR`, else the XDG cache directory."""
+    if root := os.environ.get("JAXRAG_CACHE_DIR"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxrag"
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()[:20]
+
+
+def converted(path) -> Path:
+    """The HF directory of the GGUF file `path` (`to_hf_dir`), converted once per file contents
+    into `cache_root()/gguf/` and read from there afterwards. The directory appears whole or not
+    at all (written beside it, then renamed); concurrent callers convert it once."""
+    path = Path(path)
+    check_supported(path)
+    root = cache_root() / "gguf"
+    out = root / f"{path.stem}-{_digest(path)}"
+    if (out / "config.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(out) + ".lock"):
+        if not (out / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=root))
+            try:
+                to_hf_dir(path, tmp / "hf")
+                shutil.rmtree(out, ignore_errors=True)  # an incomplete entry, e.g. a user's half-deleted one
+                os.replace(tmp / "hf", out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def to_hf_dir(path, out, max_shard_bytes: int = 5 * 2**30) -> Path:

@@ -151,9 +151,8 @@ def load_model(path, *, dtype: str = "float32", param_dtype: str = "float32", in
     `inference`: the model as `for_inference` makes it (generation, scoring, serving; not training)."""
     if inference:
         return for_inference(load_model(path, dtype=dtype, param_dtype=param_dtype))
-    if (gguf_file := gguf.find_gguf(path)) is not None:  # dequantized into a temporary HF directory
-        with tempfile.TemporaryDirectory(prefix="jaxrag-gguf-") as tmp:
-            return load_model(gguf.to_hf_dir(gguf_file, Path(tmp) / "hf"), dtype=dtype, param_dtype=param_dtype)
+    if (gguf_file := gguf.find_gguf(path)) is not None:  # dequantized once into the conversion cache
+        return load_model(gguf.converted(gguf_file), dtype=dtype, param_dtype=param_dtype)
     model_dir = resolve_model_dir(path)
     hf_config = hf.read_hf_config(model_dir)
     cfg = hf.decoder_config(hf_config, dtype=dtype, param_dtype=param_dtype)
