@@ -139,6 +139,12 @@ def test_unsupported_architectures_and_bad_files(tmp_path):
     (tmp_path / "broken.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(JaxragError, match=r"broken.gguf: not a readable GGUF file"):
         jaxrag.load_model(tmp_path / "broken.gguf")
+    write_gguf(ref, tmp_path / "hf", tmp_path / "llama.gguf", "llama")
+    (tmp_path / "file").write_text("")
+    with pytest.MonkeyPatch.context() as m, pytest.raises(
+            JaxragError, match=r"file/gguf: cannot create the GGUF conversion cache .*set JAXRAG_CACHE_DIR"):
+        m.setenv("JAXRAG_CACHE_DIR", str(tmp_path / "file"))  # a file where the cache's directory would be
+        jaxrag.load_model(tmp_path / "llama.gguf")
     with pytest.raises(JaxragError, match=r"missing.gguf: no such GGUF file"):
         jaxrag.load_model(tmp_path / "missing.gguf")
     (tmp_path / "two").mkdir()

@@ -146,7 +146,11 @@ def converted(path) -> Path:
     out = root / f"{path.stem}-{_digest(path)}"
     if (out / "config.json").is_file():
         return out
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise JaxragError(f"{root}: cannot create the GGUF conversion cache ({e.strerror}); set JAXRAG_CACHE_DIR "
+                          "to a writable directory") from None
     with filelock.FileLock(str(out) + ".lock"):
         if not (out / "config.json").is_file():
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=root))
