@@ -248,3 +248,49 @@ def test_checkpoints_that_cannot_be_removed_are_named(tmp_path, monkeypatch, cap
     assert capsys.readouterr().err.splitlines() == [
         f"warning: could not remove the finished training's checkpoints {tmp_path / 'checkpoints'} (Permission denied: "
         f"{tmp_path / 'checkpoints' / '3'}); remove them by hand to free the space"]
+
+
+# A program on this process's devices and one over every process's (a psum across them), with the
+# persistent cache hits each process saw.
+CACHED = """
+import sys
+from pathlib import Path
+from jaxrag.runtime.join import initialize_distributed
+initialize_distributed()
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+hits = []
+jax.monitoring.register_event_listener(lambda event, **_: hits.append(event)
+                                       if event == "/jax/compilation_cache/cache_hits" else None)
+local = jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(8.0))
+mesh = Mesh(np.array(jax.devices()), ("d",))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), np.ones(2, np.float32))
+total = jax.jit(lambda x: jnp.sum(x * 2), out_shardings=NamedSharding(mesh, P()))(x)
+Path(sys.argv[1]).write_text(f"{len(hits)} {float(total)}")
+"""
+
+
+def test_every_process_of_a_cpu_run_reads_back_the_programs_it_compiled(tmp_path):
+    """JAX writes the persistent cache from process 0 only; on the CPU every process's keys are its
+    own (`join.cache_from_every_process`), so a relaunch compiles nothing on any process."""
+    def launch():
+        port, procs = free_ports(), []
+        for i in range(2):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("JAX")}
+            env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                       JAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+            procs.append(subprocess.Popen([sys.executable, "-c", CACHED, str(tmp_path / f"{i}.txt")], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], logs
+        return [(tmp_path / f"{i}.txt").read_text().split() for i in range(2)]
+
+    first = launch()
+    assert [float(t) for _, t in first] == [8.0, 8.0]  # 2 x the 4 ones of both processes' devices
+    assert [hits for hits, _ in first] == ["0", "0"]
+    # on the relaunch both programs are read back on both processes: the sum, the sine and the
+    # small programs their arguments need (JAX's rule alone: process 1 reads none)
+    again = launch()
+    assert [float(t) for _, t in again] == [8.0, 8.0]
+    assert int(again[0][0]) >= 2 and again[0][0] == again[1][0], again

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 
 import jax
+from jax._src import compiler, distributed  # the persistent cache's writer (`cache_from_every_process`)
 
 from jaxrag.errors import JaxragError
 
@@ -57,6 +58,7 @@ def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
     pid = env.get("JAX_PROCESS_ID")
     if env.get("JAX_PLATFORMS") == "cpu":  # CPU devices of several processes: collectives over TCP
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        cache_from_every_process()
     try:
         for name, value in (("JAX_NUM_PROCESSES", num), ("JAX_PROCESS_ID", pid)):
             if value is not None and not value.isdigit():
@@ -66,6 +68,30 @@ def initialize_distributed(env: Mapping[str, str] = os.environ) -> bool:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return True
+
+
+def cache_from_every_process() -> None:
+    """Every process of a CPU run writes the compiled programs it misses to the persistent cache,
+    not process 0 alone. JAX writes from process 0 only, so that processes compiling one program
+    under one key do not all write it (contention on shared filesystems, e.g. GCS). On the CPU no
+    two processes share a key (it hashes the devices' topology and assignment, which name the
+    process), so each process's entries are its own; with JAX's rule every other process of a
+    local launch (`launch/local.sh`) compiled every program again at every launch, each resume
+    after a failure included. JAX's own write runs, with its checks (host callbacks, the minimum
+    compile time), as if from process 0: JAX reads the process id elsewhere only when it creates
+    a backend."""
+    write = compiler._cache_write
+    if getattr(write, "every_process", False):
+        return
+
+    def every_process(*args, **kwargs):
+        own, distributed.global_state.process_id = distributed.global_state.process_id, 0
+        try:
+            return write(*args, **kwargs)
+        finally:
+            distributed.global_state.process_id = own
+    every_process.every_process = True
+    compiler._cache_write = every_process
 
 
 def startup_timeout(env=os.environ) -> int:
