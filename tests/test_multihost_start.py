@@ -3,7 +3,8 @@ at start-up (the coordinator, or another) stops the survivor within the start-up
 line; the start check covers the model's weights, a missing file, the code and the packages; the
 processes agree on the stage plan; a workdir that cannot rename directories (a flat Cloud Storage
 bucket through gcsfuse) is refused; a pod started without JAXRAG_DISTRIBUTED=1 is one line; the
-coordinator's port leaves room for the watchdogs' (P + 1); JAX's own timeouts come after ours."""
+coordinator's port leaves room for the watchdogs' (P + 1); JAX's own timeouts come after ours;
+on the CPU every process reads back the programs it compiled when relaunched."""
 
 import errno
 import json
