@@ -81,8 +81,6 @@ def cache_from_every_process() -> None:
     compile time), as if from process 0: JAX reads the process id elsewhere only when it creates
     a backend."""
     write = compiler._cache_write
-    if getattr(write, "every_process", False):
-        return
 
     def every_process(*args, **kwargs):
         own, distributed.global_state.process_id = distributed.global_state.process_id, 0
@@ -90,7 +88,6 @@ def cache_from_every_process() -> None:
             return write(*args, **kwargs)
         finally:
             distributed.global_state.process_id = own
-    every_process.every_process = True
     compiler._cache_write = every_process
 
 
