@@ -22,20 +22,22 @@ from jaxrag.pipeline.cli import reuse_cpu_temporaries  # noqa: E402
 
 reuse_cpu_temporaries()  # as `python -m jaxrag.train` does: before jax loads (trainer tests ~20% faster)
 
-import sys  # noqa: E402
-
 from pipeline_fixtures import MINI_XLA_FLAGS  # noqa: E402
 
-# The suite's programs (tiny models) run for far less time than they take to compile, so its workers
-# and the subprocesses they start compile them as the miniature pipeline's runs do, without LLVM's
-# optimizations (five in-worker modules: 40% less CPU, results/ci). Set by the process that starts
-# the workers, which inherit it; a test that starts a process with flags of its own sets them whole.
-# CI's step (`-m ci_step`: SmolLM2, whose programs run longer than they compile) keeps XLA's default.
-if "PYTEST_XDIST_WORKER" not in os.environ and not any("ci_step" in a and "not" not in a for a in sys.argv):
-    os.environ.setdefault("XLA_FLAGS", MINI_XLA_FLAGS)
 import pytest  # noqa: E402
 
 pytest_plugins = ["cpu_seconds"]
+
+
+def pytest_configure(config):
+    """The suite's programs (tiny models) run for far less time than they take to compile, so its
+    workers and the subprocesses they start compile them as the miniature pipeline's runs do,
+    without LLVM's optimizations (five in-worker modules: 40% less CPU, results/ci). Set here, in
+    the process that starts the workers, before they start (they inherit it) and before any test
+    module loads; a test that starts a process with flags of its own sets them whole. CI's step
+    (`-m ci_step`: SmolLM2, whose programs run longer than they compile) keeps XLA's default."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and config.option.markexpr.split() != ["ci_step"]:
+        os.environ.setdefault("XLA_FLAGS", MINI_XLA_FLAGS)
 
 
 @pytest.fixture(scope="session")
