@@ -51,6 +51,15 @@ def audited_env(workdir: Path, audit: Path, **extra) -> dict[str, str]:
     return env
 
 
+def process_env(port: int, process: int, processes: int, **extra) -> dict[str, str]:
+    """The environment of process `process` of `processes` started by hand on 127.0.0.1:`port`
+    (a small program instead of the pipeline): the test's, without its JAX settings, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX")}
+    env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
+               JAX_PROCESS_ID=str(process), PYTHONPATH=str(REPO), **extra)
+    return env
+
+
 def launch(workdir: Path, audit: Path, processes: int = 2, devices: int = 2, extra=()) -> subprocess.Popen:
     """`launch/local.sh` as a user runs it (with the miniature pipeline's XLA flags, to which it adds
     its device count); process I logs to workdir/logs/process-I.log."""

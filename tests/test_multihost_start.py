@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
-from multihost_fixtures import REPO, free_ports
+from multihost_fixtures import free_ports, process_env
 
 from jaxrag.errors import JaxragError
 from jaxrag.runtime import multihost
@@ -59,10 +59,8 @@ def start(tmp_path, case, processes=(0, 1), port=None):
         host = tmp_path / f"host{i}"
         (host / "model").mkdir(parents=True, exist_ok=True)
         (host / "model" / "weights.bin").write_bytes(b"w1" if case == "weights" and i == 1 else b"w0")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JAX")}
-        env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(i), JAXRAG_STARTUP_TIMEOUT=str(STARTUP), CASE=case, PYTHONPATH=str(REPO),
-                   XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env = process_env(port, i, 2, JAXRAG_STARTUP_TIMEOUT=str(STARTUP), CASE=case,
+                          XLA_FLAGS="--xla_force_host_platform_device_count=1")
         procs[i] = subprocess.Popen([sys.executable, "-c", PROGRAM, str(tmp_path / "w")], cwd=host, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return procs, port
@@ -277,10 +275,8 @@ def test_every_process_of_a_cpu_run_reads_back_the_programs_it_compiled(tmp_path
     def launch():
         port, procs = free_ports(), []
         for i in range(2):
-            env = {k: v for k, v in os.environ.items() if not k.startswith("JAX")}
-            env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                       JAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
-                       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+            env = process_env(port, i, 2, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+                              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
             procs.append(subprocess.Popen([sys.executable, "-c", CACHED, str(tmp_path / f"{i}.txt")], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         logs = [p.communicate(timeout=120)[0] for p in procs]

@@ -2,12 +2,11 @@
 their cost, and a loop's chunks mapped by a group of processes that is not all of them, on 3
 real processes (jax.distributed over a 127.0.0.1 coordinator, the key-value store's barriers)."""
 
-import os
 import pickle
 import subprocess
 import sys
 
-from multihost_fixtures import REPO, free_ports
+from multihost_fixtures import free_ports, process_env
 
 from jaxrag.runtime.shares import groups, share
 
@@ -55,9 +54,7 @@ def test_a_group_of_processes_maps_a_loop_while_the_others_run_their_own(tmp_pat
     port = free_ports()
     procs = []
     for i in range(3):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JAX")}
-        env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="3",
-                   JAX_PROCESS_ID=str(i), PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env = process_env(port, i, 3, XLA_FLAGS="--xla_force_host_platform_device_count=1")
         procs.append(subprocess.Popen([sys.executable, "-c", PROGRAM, str(tmp_path / "spool"), str(tmp_path / f"{i}.pkl")],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=120)[0] for p in procs]
