@@ -18,7 +18,6 @@ import gc
 import os
 
 _floor_gb: float | None = None  # resident size right after the last release
-_full_gb: float | None = None  # resident size right after the last full collection
 
 
 def resident_gb() -> float:
@@ -30,26 +29,11 @@ def resident_gb() -> float:
         return 0.0
 
 
-def release(slack_gb: float = 2.0) -> None:
+def release() -> None:
     """Frees what only reference cycles hold (a stage's or model's arrays), then returns the
-    heap's free pages to the OS. Safe beside running threads (glibc locks the arena).
-
-    What is alive after a release is frozen (`gc.freeze`), so the next collection walks only what
-    was allocated since: the programs a run has traced, which no collection frees and which a
-    full collection walks object by object, are walked once, not at every stage and model load.
-    A cycle that was alive at a release and dropped after it (a model still referenced then) is
-    left to a full collection, which runs once the process has grown by more than `slack_gb`
-    since the last one (and always where the resident size cannot be read)."""
-    global _full_gb
-    now = resident_gb()
-    full = _full_gb is None or not now or now > _full_gb + slack_gb
-    if full:
-        gc.unfreeze()
+    heap's free pages to the OS. Safe beside running threads (glibc locks the arena)."""
     gc.collect()
     _trim()
-    if full:
-        _full_gb = resident_gb()
-    gc.freeze()
 
 
 def _trim() -> None:
